@@ -1,0 +1,160 @@
+// This file wires the layers together: one database, one clock, one source
+// of ids and one fault hook, shared by the API, the relay, the consumers, the
+// saga and the fake card processor.
+
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Durations and limits of the protocol. Each says why it has its value.
+const (
+	// idempotencyKeyTTL is how long a key replays. Clients give up retrying
+	// well within a day; Stripe keeps keys for 24 hours.
+	idempotencyKeyTTL = 24 * time.Hour
+
+	// relayLease is how long a relay owns the events it claimed. Publishing a
+	// batch takes milliseconds; a relay that has not marked its events after
+	// 30s has died, and another may take them over.
+	relayLease = 30 * time.Second
+	// maxPublishAttempts is how often the relay tries one event before it
+	// marks it failed for an operator. With relayBackoff that is about 17
+	// minutes of trying.
+	maxPublishAttempts = 10
+
+	// ackWait is how long the broker waits for an ack before it delivers the
+	// message again. It must exceed the slowest consumer's transaction.
+	ackWait = 30 * time.Second
+	// maxDeliveries is how often a message that fails for a transient reason
+	// is delivered before the inbox records it as poison.
+	maxDeliveries = 5
+
+	// sagaLease is how long a worker owns a saga it is running; recovery
+	// resumes sagas whose lease passed.
+	sagaLease = 30 * time.Second
+	// maxCompensationAttempts is how often a compensation that fails for a
+	// transient reason is tried before the saga becomes compensation_failed
+	// and waits for an operator.
+	maxCompensationAttempts = 5
+
+	// refundLockTimeout is the lease of a refund request on its key. It is
+	// longer than the processor's own timeout, so a request that is still
+	// waiting on the processor is never taken over by a retry.
+	refundLockTimeout = 90 * time.Second
+)
+
+// App holds what every layer shares. Its function fields are the test seams:
+// tests and the demo pass a fixed clock, predictable ids and a fault hook.
+type App struct {
+	db        *sql.DB
+	broker    *Broker
+	processor *Processor
+
+	// now is the clock; every stored time comes from it.
+	now func() time.Time
+	// newID returns a fresh id with a readable prefix ("ord", "evt", ...).
+	newID func(prefix string) string
+	// fault is called at every faultPoint; nil in production.
+	fault faultHook
+}
+
+// newApp returns an App over db. clock, ids and fault may be nil for the
+// wall clock, random UUIDs and no faults.
+func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, fault faultHook) *App {
+	if clock == nil {
+		clock = time.Now
+	}
+	if ids == nil {
+		ids = newIDs(rand.Reader)
+	}
+	return &App{
+		db:        db,
+		broker:    &Broker{db: db, now: clock, fault: fault},
+		processor: &Processor{db: db, now: clock, newID: ids, fault: fault},
+		now:       clock,
+		newID:     ids,
+		fault:     fault,
+	}
+}
+
+// newIDs returns an id generator that reads UUID randomness from r: crypto
+// randomness in production, a seeded source in the demo so that its output
+// is the same on every run.
+func newIDs(r io.Reader) func(prefix string) string {
+	var mu sync.Mutex
+	return func(prefix string) string {
+		mu.Lock()
+		defer mu.Unlock()
+		id, err := uuid.NewRandomFromReader(r)
+		if err != nil {
+			panic(fmt.Sprintf("bug: read uuid randomness: %v", err))
+		}
+		return prefix + "_" + id.String()
+	}
+}
+
+// fakeClock is a clock that moves only when told, for the demo and tests:
+// leases and backoffs expire when the story says so, not when the machine is
+// slow.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+// newFakeClock returns a fakeClock at t.
+func newFakeClock(t time.Time) *fakeClock {
+	return &fakeClock{t: t}
+}
+
+// now returns the clock's time.
+func (c *fakeClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+// advance moves the clock forward by d.
+func (c *fakeClock) advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// runWorkersOnce runs one pass of every background job: relay, consumers,
+// sagas, the refund completer. It returns how many things it did, so callers
+// can run it until quiet.
+func (a *App) runWorkersOnce(ctx context.Context, workerID string) (int, error) {
+	total := 0
+	published, err := a.relayOnce(ctx, workerID, relayBatchSize)
+	if err != nil {
+		return total, fmt.Errorf("relay: %w", err)
+	}
+	total += published
+	for _, c := range a.consumers() {
+		results, err := a.consumeOnce(ctx, c, consumeBatchSize)
+		if err != nil {
+			return total, fmt.Errorf("consume %s: %w", c.name, err)
+		}
+		total += len(results)
+	}
+	advanced, err := a.sagaOnce(ctx, workerID, sagaBatchSize)
+	if err != nil {
+		return total, fmt.Errorf("saga: %w", err)
+	}
+	total += advanced
+	completed, err := a.completeRefundsOnce(ctx, refundBatchSize)
+	if err != nil {
+		return total, fmt.Errorf("refund completer: %w", err)
+	}
+	total += completed
+	return total, nil
+}

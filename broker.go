@@ -1,0 +1,178 @@
+// The embedded broker: a stand-in for NATS JetStream, Kafka or RabbitMQ,
+// kept in the same SQLite file so the demo needs nothing else to run. It is
+// honest about what those brokers promise and no more:
+//   - dedupe on publish by message id (like JetStream's Nats-Msg-Id), so a
+//     relay that publishes an event twice stores it once;
+//   - at-least-once delivery to each subscriber, never exactly-once;
+//   - redelivery when a delivery is not acked within ackWait, with a count.
+//
+// Being in the same file does not make it transactional with the outbox:
+// publish runs in its own transaction, exactly as a network call would.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sort"
+	"time"
+)
+
+// message is what travels through the broker.
+type message struct {
+	// ID is the outbox event_id, and the inbox message_id downstream.
+	ID      string
+	Subject string
+	Payload []byte
+}
+
+// delivery is one handing of a message to one subscriber.
+type delivery struct {
+	message
+	Subscriber string
+	Seq        int64
+	// DeliveryCount is 1 on the first delivery, more on redeliveries.
+	DeliveryCount int
+}
+
+// Broker is the embedded broker over the broker_* tables.
+type Broker struct {
+	db    *sql.DB
+	now   func() time.Time
+	fault faultHook
+}
+
+// subscribe makes sure subscriber gets every message on subjects published
+// from now on. Calling it again is harmless.
+func (b *Broker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
+	for _, subject := range subjects {
+		_, err := b.db.ExecContext(ctx, `
+			INSERT INTO broker_subscriptions (subscriber, subject) VALUES (?, ?)
+			ON CONFLICT (subscriber, subject) DO NOTHING`, subscriber, subject)
+		if err != nil {
+			return fmt.Errorf("subscribe %s to %s: %w", subscriber, subject, err)
+		}
+	}
+	return nil
+}
+
+// publish stores msg and queues one delivery per subscriber of its subject.
+// A message id seen before is dropped (and counted in
+// broker_messages.duplicates): that is the broker's half of absorbing a relay
+// that publishes twice.
+func (b *Broker) publish(ctx context.Context, msg message) error {
+	if err := b.fault.at(ctx, faultPublish); err != nil {
+		return err
+	}
+	return withTx(ctx, b.db, func(tx *sql.Tx) error {
+		now := formatTime(b.now())
+		var seq int64
+		err := tx.QueryRowContext(ctx, `
+			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
+			ON CONFLICT (message_id) DO UPDATE SET duplicates = duplicates + 1
+			RETURNING seq, duplicates`,
+			msg.ID, msg.Subject, msg.Payload, now,
+		).Scan(&seq, new(int))
+		if err != nil {
+			return fmt.Errorf("publish %s: %w", msg.ID, err)
+		}
+		// Queue deliveries only for a message we had not seen; for a
+		// duplicate the DO NOTHING keeps what is already queued.
+		_, err = tx.ExecContext(ctx, `
+			INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
+			SELECT subscriber, ?, 'pending', ? FROM broker_subscriptions WHERE subject = ?
+			ON CONFLICT (subscriber, message_seq) DO NOTHING`,
+			seq, now, msg.Subject)
+		if err != nil {
+			return fmt.Errorf("queue deliveries of %s: %w", msg.ID, err)
+		}
+		return nil
+	})
+}
+
+// fetch hands up to max due messages to subscriber, oldest first. Each is
+// hidden for ackWait: not acked by then, it is delivered again with a higher
+// DeliveryCount.
+func (b *Broker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
+	var deliveries []delivery
+	err := withTx(ctx, b.db, func(tx *sql.Tx) error {
+		now := b.now()
+		rows, err := tx.QueryContext(ctx, `
+			UPDATE broker_deliveries
+			SET delivery_count = delivery_count + 1, visible_at = ?
+			WHERE subscriber = ? AND message_seq IN (
+				SELECT message_seq FROM broker_deliveries
+				WHERE subscriber = ? AND status = 'pending' AND visible_at <= ?
+				ORDER BY message_seq
+				LIMIT ?)
+			RETURNING message_seq, delivery_count`,
+			formatTime(now.Add(ackWait)), subscriber, subscriber, formatTime(now), max)
+		if err != nil {
+			return fmt.Errorf("fetch for %s: %w", subscriber, err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			d := delivery{Subscriber: subscriber}
+			if err := rows.Scan(&d.Seq, &d.DeliveryCount); err != nil {
+				return fmt.Errorf("scan delivery: %w", err)
+			}
+			deliveries = append(deliveries, d)
+		}
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("fetch for %s: %w", subscriber, err)
+		}
+		for i := range deliveries {
+			err := tx.QueryRowContext(ctx, `SELECT message_id, subject, payload FROM broker_messages WHERE seq = ?`,
+				deliveries[i].Seq).Scan(&deliveries[i].ID, &deliveries[i].Subject, &deliveries[i].Payload)
+			if err != nil {
+				return fmt.Errorf("read message %d: %w", deliveries[i].Seq, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	// RETURNING gives no order; deliver in the order published.
+	sort.Slice(deliveries, func(i, j int) bool { return deliveries[i].Seq < deliveries[j].Seq })
+	return deliveries, nil
+}
+
+// ack tells the broker d was handled: it is not delivered again.
+func (b *Broker) ack(ctx context.Context, d delivery) error {
+	_, err := b.db.ExecContext(ctx, `
+		UPDATE broker_deliveries SET status = 'acked', acked_at = ?
+		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'`,
+		formatTime(b.now()), d.Subscriber, d.Seq)
+	if err != nil {
+		return fmt.Errorf("ack %s for %s: %w", d.ID, d.Subscriber, err)
+	}
+	return nil
+}
+
+// nak tells the broker d failed for now: deliver it again after delay.
+func (b *Broker) nak(ctx context.Context, d delivery, delay time.Duration) error {
+	_, err := b.db.ExecContext(ctx, `
+		UPDATE broker_deliveries SET visible_at = ?
+		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'`,
+		formatTime(b.now().Add(delay)), d.Subscriber, d.Seq)
+	if err != nil {
+		return fmt.Errorf("nak %s for %s: %w", d.ID, d.Subscriber, err)
+	}
+	return nil
+}
+
+// redeliver makes every unacked delivery of messageID to subscriber due now,
+// as a broker does when a consumer's connection drops. The demo uses it to
+// show the inbox at work without waiting out ackWait.
+func (b *Broker) redeliver(ctx context.Context, subscriber, messageID string) error {
+	_, err := b.db.ExecContext(ctx, `
+		UPDATE broker_deliveries SET status = 'pending', visible_at = ?
+		WHERE subscriber = ? AND message_seq = (SELECT seq FROM broker_messages WHERE message_id = ?)`,
+		formatTime(b.now()), subscriber, messageID)
+	if err != nil {
+		return fmt.Errorf("redeliver %s to %s: %w", messageID, subscriber, err)
+	}
+	return nil
+}

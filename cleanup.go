@@ -1,0 +1,90 @@
+// Cleanup: idempotency keys are not an audit log. Expired keys are deleted,
+// and so are old published events, acked broker messages and old inbox rows,
+// in small batches so the writer lock is never held for long.
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Retention of delivered messages. An inbox row must outlive every possible
+// redelivery of its message, or a late duplicate would be applied again:
+// the broker redelivers within maxDeliveries*ackWait (minutes), so a week is
+// far beyond it.
+const (
+	messageRetention = 7 * 24 * time.Hour
+	cleanupBatchSize = 500
+)
+
+// cleanupResult counts what cleanupOnce deleted.
+type cleanupResult struct {
+	Keys, OutboxEvents, BrokerMessages, InboxMessages int
+}
+
+// cleanupOnce deletes expired idempotency keys (only finished ones: an
+// unfinished refund still needs its key to complete) and delivered messages
+// older than messageRetention, cleanupBatchSize rows per transaction.
+func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
+	var result cleanupResult
+	now := a.now()
+	retainedSince := formatTime(now.Add(-messageRetention))
+	var err error
+	result.Keys, err = a.deleteInBatches(ctx, `
+		DELETE FROM idempotency_keys WHERE rowid IN (
+			SELECT rowid FROM idempotency_keys
+			WHERE expires_at <= ? AND recovery_point = 'finished' LIMIT ?)`, formatTime(now))
+	if err != nil {
+		return result, fmt.Errorf("delete expired keys: %w", err)
+	}
+	result.OutboxEvents, err = a.deleteInBatches(ctx, `
+		DELETE FROM outbox_events WHERE seq IN (
+			SELECT seq FROM outbox_events WHERE status = 'published' AND published_at <= ? LIMIT ?)`, retainedSince)
+	if err != nil {
+		return result, fmt.Errorf("delete published events: %w", err)
+	}
+	_, err = a.deleteInBatches(ctx, `
+		DELETE FROM broker_deliveries WHERE rowid IN (
+			SELECT rowid FROM broker_deliveries WHERE status = 'acked' AND acked_at <= ? LIMIT ?)`, retainedSince)
+	if err != nil {
+		return result, fmt.Errorf("delete acked deliveries: %w", err)
+	}
+	result.BrokerMessages, err = a.deleteInBatches(ctx, `
+		DELETE FROM broker_messages WHERE seq IN (
+			SELECT m.seq FROM broker_messages m
+			WHERE m.published_at <= ?
+			  AND NOT EXISTS (SELECT 1 FROM broker_deliveries d WHERE d.message_seq = m.seq)
+			LIMIT ?)`, retainedSince)
+	if err != nil {
+		return result, fmt.Errorf("delete delivered messages: %w", err)
+	}
+	result.InboxMessages, err = a.deleteInBatches(ctx, `
+		DELETE FROM inbox_messages WHERE rowid IN (
+			SELECT rowid FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?)`, retainedSince)
+	if err != nil {
+		return result, fmt.Errorf("delete old inbox rows: %w", err)
+	}
+	return result, nil
+}
+
+// deleteInBatches runs a DELETE whose last parameter is the batch size until
+// it deletes nothing, and returns how many rows it deleted.
+func (a *App) deleteInBatches(ctx context.Context, query string, cutoff string) (int, error) {
+	total := 0
+	for {
+		result, err := a.db.ExecContext(ctx, query, cutoff, cleanupBatchSize)
+		if err != nil {
+			return total, err
+		}
+		n, err := result.RowsAffected()
+		if err != nil {
+			return total, err
+		}
+		total += int(n)
+		if n < cleanupBatchSize {
+			return total, nil
+		}
+	}
+}

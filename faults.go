@@ -1,0 +1,86 @@
+// This file names every place where a crash or a lost message changes what
+// happens next. Tests and the demo pass a faultHook that fails at one of
+// them; production passes none, and an unset hook costs one nil check.
+
+package main
+
+import (
+	"context"
+	"errors"
+)
+
+// faultPoint names one place in the workflow where the process may die.
+type faultPoint string
+
+const (
+	// faultAfterKeyClaim: the idempotency key row is written, the order not yet.
+	faultAfterKeyClaim faultPoint = "idem.after_key_claim"
+	// faultAfterBusinessWrite: the order and its outbox event are written, the
+	// response is not yet stored on the key.
+	faultAfterBusinessWrite faultPoint = "idem.after_business_write"
+	// faultPublish: the broker refuses a publish (or the process dies just
+	// before it).
+	faultPublish faultPoint = "broker.publish"
+	// faultAfterPublish: the broker has the event, the outbox still says
+	// pending.
+	faultAfterPublish faultPoint = "outbox.after_publish"
+	// faultAfterEffect: the consumer's effect and inbox row are committed, the
+	// broker has not seen the ack.
+	faultAfterEffect faultPoint = "inbox.after_effect"
+	// faultAfterStepEffect: a saga step's local effect is written, its record
+	// not yet (they share one transaction, so this rolls both back).
+	faultAfterStepEffect faultPoint = "saga.after_step_effect"
+	// faultBeforeProcessorCall: the saga is about to charge or refund.
+	faultBeforeProcessorCall faultPoint = "saga.before_processor_call"
+	// faultAfterProcessorCall: the processor charged or refunded, the saga has
+	// not recorded it.
+	faultAfterProcessorCall faultPoint = "saga.after_processor_call"
+	// faultMidCompensation: one compensation is recorded, the next not run.
+	faultMidCompensation faultPoint = "saga.mid_compensation"
+	// faultRefundStarted: a refund's first phase committed (recovery point
+	// refund_requested), the processor not yet called.
+	faultRefundStarted faultPoint = "refund.after_started"
+	// faultRefundAfterProcessor: the processor refunded, the key is not
+	// finished.
+	faultRefundAfterProcessor faultPoint = "refund.after_processor_call"
+	// faultProcessorLoseResponse: the processor did the work and the
+	// response is lost on the way back.
+	faultProcessorLoseResponse faultPoint = "processor.lose_response"
+)
+
+// allFaultPoints lists every fault point. The crash tests range over it, so
+// a point added here is tested without touching them.
+func allFaultPoints() []faultPoint {
+	return []faultPoint{
+		faultAfterKeyClaim,
+		faultAfterBusinessWrite,
+		faultPublish,
+		faultAfterPublish,
+		faultAfterEffect,
+		faultAfterStepEffect,
+		faultBeforeProcessorCall,
+		faultAfterProcessorCall,
+		faultMidCompensation,
+		faultRefundStarted,
+		faultRefundAfterProcessor,
+		faultProcessorLoseResponse,
+	}
+}
+
+// errCrash is what a faultHook returns to simulate the process dying at a
+// point: the caller abandons its work, uncommitted writes roll back, and the
+// test reopens the database as a fresh process would.
+var errCrash = errors.New("simulated crash")
+
+// faultHook is called at each faultPoint. A non-nil error is returned by the
+// code at that point as if the process had died (errCrash) or an operation
+// had failed (any other error).
+type faultHook func(ctx context.Context, point faultPoint) error
+
+// at calls the hook, if any, for point.
+func (hook faultHook) at(ctx context.Context, point faultPoint) error {
+	if hook == nil {
+		return nil
+	}
+	return hook(ctx, point)
+}

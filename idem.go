@@ -1,0 +1,307 @@
+// Idempotency keys at the API layer (the article's first section): a retried
+// request returns the first result instead of doing the work again, and a key
+// reused with another request is rejected.
+//
+// Where the article's sample went wrong, and what this file does instead:
+//   - It claimed the key, did the work and stored the result in three
+//     transactions; a crash between them left the key "processing" for ever
+//     (every retry got 409) or ran the work twice. createOrder does all three
+//     in one transaction: a crash leaves nothing or everything.
+//   - It keyed keys by the key alone; here a key belongs to one caller.
+//   - It stored any exception as a permanent 500; here only definitive
+//     outcomes are stored, and a transient failure leaves the key free.
+//   - It wrote expires_at and never read it; here an expired key no longer
+//     replays.
+
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+	"unicode/utf8"
+)
+
+// Outcomes of the idempotency protocol.
+var (
+	// errKeyReused: the key was first used for another request (method, path
+	// or body). Replaying would hand the client an answer to a question it
+	// did not ask, so the request is rejected and nothing is done.
+	errKeyReused = errors.New("idempotency key was used with a different request")
+	// errKeyInProgress: another request holds the key's lease right now.
+	errKeyInProgress = errors.New("a request with this idempotency key is in progress")
+)
+
+// Key status values (idempotency_keys.status).
+const (
+	keyProcessing = "processing"
+	keyCompleted  = "completed"
+)
+
+// idempotentRequest is one API call as the idempotency layer sees it.
+type idempotentRequest struct {
+	UserID         string
+	IdempotencyKey string
+	Method         string
+	Path           string
+	// CanonicalBody is the body after canonicalJSON.
+	CanonicalBody []byte
+}
+
+// fingerprint returns the hash stored as request_hash: method, path and
+// canonical body, so the same request with its fields in another order or
+// with other whitespace is still the same request.
+func (r idempotentRequest) fingerprint() string {
+	h := sha256.New()
+	// Lengths first, so no two different (method, path, body) triples can
+	// run together into the same bytes.
+	fmt.Fprintf(h, "%d:%s\n%d:%s\n", len(r.Method), r.Method, len(r.Path), r.Path)
+	h.Write(r.CanonicalBody)
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// canonicalJSON returns body re-encoded with object keys sorted and no
+// insignificant whitespace. Numbers keep their literal text (5000 and 5e3 are
+// different requests; the decoder rejects the second anyway). It returns an
+// error if body is not exactly one JSON value or not valid UTF-8: the decoder
+// would silently replace bad bytes, and two different bodies would then look
+// alike.
+func canonicalJSON(body []byte) ([]byte, error) {
+	if !utf8.Valid(body) {
+		return nil, errors.New("body is not valid UTF-8")
+	}
+	if !json.Valid(body) {
+		return nil, errors.New("body is not valid JSON")
+	}
+	decoder := json.NewDecoder(bytes.NewReader(body))
+	decoder.UseNumber()
+	var value any
+	if err := decoder.Decode(&value); err != nil {
+		return nil, fmt.Errorf("body is not valid JSON: %w", err)
+	}
+	if _, err := decoder.Token(); err != io.EOF {
+		return nil, errors.New("body has data after the JSON value")
+	}
+	// encoding/json sorts map keys and writes no whitespace.
+	canonical, err := json.Marshal(value)
+	if err != nil {
+		return nil, fmt.Errorf("re-encode body: %w", err)
+	}
+	return canonical, nil
+}
+
+// apiResponse is what the API answered, and what a replay answers again,
+// byte for byte.
+type apiResponse struct {
+	Status   int
+	Body     []byte
+	Location string
+	// Replayed is true when the answer came from the key, not from new work.
+	Replayed bool
+}
+
+// idempotencyKeyRow is a row of idempotency_keys.
+type idempotencyKeyRow struct {
+	UserID         string
+	IdempotencyKey string
+	RequestMethod  string
+	RequestPath    string
+	RequestHash    string
+	RequestParams  []byte
+	Status         string
+	RecoveryPoint  recoveryPoint
+	LockedAt       sql.NullString
+	ResponseStatus sql.NullInt64
+	ResponseBody   []byte
+	Location       sql.NullString
+	CreatedAt      string
+	ExpiresAt      string
+}
+
+// response returns the stored answer of a completed key.
+func (k idempotencyKeyRow) response() apiResponse {
+	return apiResponse{
+		Status:   int(k.ResponseStatus.Int64),
+		Body:     k.ResponseBody,
+		Location: k.Location.String,
+		Replayed: true,
+	}
+}
+
+// errKeyNotFound is returned by lookupKey when the caller has no live key of
+// that name.
+var errKeyNotFound = errors.New("idempotency key not found")
+
+// lookupKey reads the caller's key. Returns errKeyNotFound if there is none.
+// An expired, finished key is deleted and reported as not found: it no
+// longer replays, and the request runs as new. (An unfinished one is kept:
+// the completer still owes it an outcome.)
+func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, now time.Time) (idempotencyKeyRow, error) {
+	var key idempotencyKeyRow
+	err := tx.QueryRowContext(ctx, `
+		SELECT user_id, idempotency_key, request_method, request_path, request_hash, request_params,
+		       status, recovery_point, locked_at, response_status, response_body, response_location,
+		       created_at, expires_at
+		FROM idempotency_keys
+		WHERE user_id = ? AND idempotency_key = ?`,
+		userID, idempotencyKey,
+	).Scan(
+		&key.UserID, &key.IdempotencyKey, &key.RequestMethod, &key.RequestPath, &key.RequestHash, &key.RequestParams,
+		&key.Status, &key.RecoveryPoint, &key.LockedAt, &key.ResponseStatus, &key.ResponseBody, &key.Location,
+		&key.CreatedAt, &key.ExpiresAt,
+	)
+	if errors.Is(err, sql.ErrNoRows) {
+		return idempotencyKeyRow{}, errKeyNotFound
+	}
+	if err != nil {
+		return idempotencyKeyRow{}, fmt.Errorf("read idempotency key: %w", err)
+	}
+	if key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {
+		_, err := tx.ExecContext(ctx, `DELETE FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
+			userID, idempotencyKey)
+		if err != nil {
+			return idempotencyKeyRow{}, fmt.Errorf("delete expired idempotency key: %w", err)
+		}
+		return idempotencyKeyRow{}, errKeyNotFound
+	}
+	return key, nil
+}
+
+// insertKey claims a new key for req. The primary key (user_id,
+// idempotency_key) is the race guard; within one BEGIN IMMEDIATE
+// transaction no other writer can claim it between lookupKey and here.
+func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point recoveryPoint, lockedAt sql.NullString, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
+		INSERT INTO idempotency_keys
+			(user_id, idempotency_key, request_method, request_path, request_hash, request_params,
+			 status, recovery_point, locked_at, created_at, expires_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		req.UserID, req.IdempotencyKey, req.Method, req.Path, req.fingerprint(), req.CanonicalBody,
+		keyProcessing, point, lockedAt, formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
+	)
+	if err != nil {
+		return fmt.Errorf("insert idempotency key: %w", err)
+	}
+	return nil
+}
+
+// completeKey stores the definitive answer on the key and releases it. From
+// now on every retry replays response.
+func completeKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, response apiResponse) error {
+	result, err := tx.ExecContext(ctx, `
+		UPDATE idempotency_keys
+		SET status = ?, recovery_point = ?, locked_at = NULL,
+		    response_status = ?, response_body = ?, response_location = ?
+		WHERE user_id = ? AND idempotency_key = ?`,
+		keyCompleted, recoveryFinished, response.Status, response.Body, sql.NullString{String: response.Location, Valid: response.Location != ""},
+		userID, idempotencyKey,
+	)
+	if err != nil {
+		return fmt.Errorf("complete idempotency key: %w", err)
+	}
+	if n, err := result.RowsAffected(); err != nil || n != 1 {
+		return fmt.Errorf("bug: complete idempotency key matched %d rows (%v)", n, err)
+	}
+	return nil
+}
+
+// checkSameRequest returns errKeyReused if key was claimed by a request other
+// than req.
+func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
+	if key.RequestHash != req.fingerprint() {
+		return errKeyReused
+	}
+	return nil
+}
+
+// createOrder creates an order under an idempotency key. The key claim, the
+// order row, its OrderCreated outbox event and the stored response commit in
+// ONE transaction, because creating an order touches nothing but our own
+// database:
+//   - a crash at any point leaves either nothing (the retry does the work) or
+//     everything (the retry replays); never a key stuck in processing;
+//   - a concurrent duplicate waits for the write lock, then finds the
+//     completed key and replays it.
+//
+// Returns errKeyReused if the key belongs to another request. order must be
+// valid (see decodeOrderRequest); nothing here rejects input.
+func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
+	var response apiResponse
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := a.now()
+		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
+		switch {
+		case err == nil:
+			// Seen before: replay, but only for the very same request.
+			if err := checkSameRequest(key, req); err != nil {
+				return err
+			}
+			if key.Status != keyCompleted {
+				return errKeyInProgress
+			}
+			response = key.response()
+			return nil
+		case errors.Is(err, errKeyNotFound):
+			// New key: fall through and do the work.
+		default:
+			return err
+		}
+
+		if err := insertKey(ctx, tx, req, recoveryStarted, sql.NullString{}, now); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
+			return err
+		}
+
+		newOrder := orderRow{
+			OrderID:        a.newID("ord"),
+			UserID:         req.UserID,
+			AmountCents:    order.AmountCents,
+			Currency:       order.Currency,
+			Items:          order.Items,
+			PaymentMethod:  order.PaymentMethod,
+			Status:         orderCreated,
+			IdempotencyKey: req.IdempotencyKey,
+			CreatedAt:      formatTime(now),
+		}
+		if err := insertOrder(ctx, tx, newOrder); err != nil {
+			return err
+		}
+		orderCreatedEvent, err := a.newOutboxEvent(eventOrderCreated, newOrder.OrderID, orderCreatedPayload{
+			OrderID:       newOrder.OrderID,
+			UserID:        newOrder.UserID,
+			AmountCents:   newOrder.AmountCents,
+			Currency:      newOrder.Currency,
+			Items:         newOrder.Items,
+			PaymentMethod: newOrder.PaymentMethod,
+		})
+		if err != nil {
+			return err
+		}
+		if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterBusinessWrite); err != nil {
+			return err
+		}
+
+		body, err := json.Marshal(newOrder.view())
+		if err != nil {
+			return fmt.Errorf("encode order: %w", err)
+		}
+		response = apiResponse{Status: 201, Body: body, Location: "/api/orders/" + newOrder.OrderID}
+		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, response)
+	})
+	if err != nil {
+		return apiResponse{}, err
+	}
+	return response, nil
+}

@@ -1,0 +1,202 @@
+// The inbox (the article's "safe consumption" section): a consumer remembers
+// which messages it already applied, so a redelivered message changes
+// nothing. The outbox answers "did we tell anyone?"; the inbox answers "did
+// we already act?".
+//
+// Where the article's sample went wrong, and what this file does instead:
+//   - Its inbox was keyed by message_id alone, so a second consumer of the
+//     same message collided with the first one's record. Here the key is
+//     (consumer, message_id).
+//   - It checked the inbox outside the transaction that applied the effect,
+//     so two concurrent deliveries could both pass the check. Here the inbox
+//     row is inserted first, in the same transaction as the effect: a
+//     conflict means "already applied", and the effect is skipped.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// inboxOutcome says what happened to one delivery.
+type inboxOutcome string
+
+const (
+	// inboxApplied: the effect ran and was recorded; the message is acked.
+	inboxApplied inboxOutcome = "applied"
+	// inboxDuplicate: the consumer had applied this message before; nothing
+	// ran, and the message is acked so the broker stops redelivering it.
+	inboxDuplicate inboxOutcome = "duplicate"
+	// inboxPoison: the message fails for a permanent reason, or failed
+	// maxDeliveries times; recorded with its error for an operator, and
+	// acked so it stops looping.
+	inboxPoison inboxOutcome = "poison"
+	// inboxRetry: a transient failure; not acked, the broker delivers it
+	// again later.
+	inboxRetry inboxOutcome = "retry"
+)
+
+// permanentError marks a failure that will fail the same way every time (a
+// payload that does not decode, an event that contradicts the state).
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// permanent marks err as permanent: retrying cannot help.
+func permanent(err error) error {
+	return &permanentError{err: err}
+}
+
+// isPermanent reports whether err, or an error it wraps, is permanent.
+func isPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p)
+}
+
+// consumer is one subscriber with the effect it applies per message.
+type consumer struct {
+	name     string
+	subjects []string
+	// apply runs inside the inbox transaction: its writes commit together
+	// with the record that the message was applied.
+	apply func(ctx context.Context, tx *sql.Tx, msg message) error
+}
+
+// consumers lists the system's consumers: the payment service starts the
+// fulfilment saga when an order is created; the order service follows the
+// payment result. (The article's sample wrote PaymentCaptured and nobody ever
+// relayed or read it.)
+func (a *App) consumers() []consumer {
+	return []consumer{
+		{name: paymentServiceConsumer, subjects: []string{eventOrderCreated}, apply: a.startFulfilment},
+		{name: orderServiceConsumer, subjects: []string{eventPaymentCaptured, eventOrderCancelled}, apply: a.applyPaymentResult},
+	}
+}
+
+// subscribeConsumers subscribes every consumer to its subjects. It must run
+// before anything is published, as with a durable subscription on a real
+// broker.
+func (a *App) subscribeConsumers(ctx context.Context) error {
+	for _, c := range a.consumers() {
+		if err := a.broker.subscribe(ctx, c.name, c.subjects...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// receiveResult is what receive did with one message.
+type receiveResult struct {
+	MessageID string
+	Outcome   inboxOutcome
+	// Err is why the message became poison or will be retried.
+	Err error
+}
+
+// receive applies a message at most once for consumerName. The inbox row is
+// inserted first, in the same transaction as the effect: if it is already
+// there, the message is a duplicate and apply does not run. Two concurrent
+// deliveries of one message serialize on the write lock; the second sees the
+// first's row.
+//
+// A permanent failure, or a transient one on the maxDeliveries-th delivery,
+// records the message as poison (for this consumer only). Returns an error
+// only when the process must stop (errCrash) or the inbox could not be read.
+func (a *App) receive(ctx context.Context, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+	result := receiveResult{MessageID: messageID}
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		inserted, err := tx.ExecContext(ctx, `
+			INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
+			VALUES (?, ?, 'done', ?, ?)
+			ON CONFLICT (consumer, message_id) DO NOTHING`,
+			consumerName, messageID, deliveryCount, formatTime(a.now()))
+		if err != nil {
+			return fmt.Errorf("insert inbox message: %w", err)
+		}
+		n, err := inserted.RowsAffected()
+		if err != nil {
+			return fmt.Errorf("insert inbox message: %w", err)
+		}
+		if n == 0 {
+			result.Outcome = inboxDuplicate
+			return nil
+		}
+		if err := apply(tx); err != nil {
+			return err
+		}
+		result.Outcome = inboxApplied
+		return nil
+	})
+	switch {
+	case err == nil:
+		return result, nil
+	case errors.Is(err, errCrash):
+		return result, err
+	case isPermanent(err) || deliveryCount >= maxDeliveries:
+		result.Outcome = inboxPoison
+		result.Err = err
+		return result, a.recordPoison(ctx, consumerName, messageID, deliveryCount, err)
+	default:
+		result.Outcome = inboxRetry
+		result.Err = err
+		return result, nil
+	}
+}
+
+// recordPoison records a message this consumer gives up on. If a concurrent
+// delivery applied it after all, that record stands.
+func (a *App) recordPoison(ctx context.Context, consumerName, messageID string, deliveryCount int, cause error) error {
+	_, err := a.db.ExecContext(ctx, `
+		INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at)
+		VALUES (?, ?, 'poison', ?, ?, ?)
+		ON CONFLICT (consumer, message_id) DO NOTHING`,
+		consumerName, messageID, cause.Error(), deliveryCount, formatTime(a.now()))
+	if err != nil {
+		return fmt.Errorf("record poison message %s for %s: %w", messageID, consumerName, err)
+	}
+	return nil
+}
+
+// consumeBackoff is how long a message that failed transiently waits before
+// its next delivery: 1s, 2s, 4s ...
+func consumeBackoff(deliveryCount int) time.Duration {
+	return time.Second << min(deliveryCount-1, 8)
+}
+
+// consumeOnce fetches one batch for c and puts each message through the
+// inbox. Applied, duplicate and poison messages are acked; messages that
+// failed transiently are not, and come back after consumeBackoff.
+func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
+	deliveries, err := a.broker.fetch(ctx, c.name, max)
+	if err != nil {
+		return nil, err
+	}
+	var results []receiveResult
+	for _, d := range deliveries {
+		result, err := a.receive(ctx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
+			return c.apply(ctx, tx, d.message)
+		})
+		if err != nil {
+			return results, err
+		}
+		results = append(results, result)
+		if result.Outcome == inboxRetry {
+			if err := a.broker.nak(ctx, d, consumeBackoff(d.DeliveryCount)); err != nil {
+				return results, err
+			}
+			continue
+		}
+		if err := a.fault.at(ctx, faultAfterEffect); err != nil {
+			return results, err
+		}
+		if err := a.broker.ack(ctx, d); err != nil {
+			return results, err
+		}
+	}
+	return results, nil
+}

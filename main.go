@@ -1,0 +1,361 @@
+// Command retrysafe is a reference implementation, and teaching demo, of
+// retry-safe workflows: a client retries "Pay", and the business result
+// still happens exactly once. Four layers work together on one SQLite file:
+// idempotency keys (idem.go, refund.go), a transactional outbox (outbox.go),
+// an inbox (inbox.go) and a saga with compensation (saga.go).
+//
+// Usage:
+//
+//	retrysafe demo      run the scripted scenario, narrating each layer
+//	retrysafe serve     serve the HTTP API (and, by default, the workers)
+//	retrysafe relay     run only the outbox relay
+//	retrysafe worker    run only the consumers, sagas and completers
+//	retrysafe inspect   print the tables
+//	retrysafe cleanup   delete expired keys and old delivered messages
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
+		os.Exit(1)
+	}
+}
+
+// run executes the command line args. Cobra has printed the error, if any.
+func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	root := newRootCommand()
+	root.SetArgs(args)
+	root.SetIn(stdin)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	return root.ExecuteContext(ctx)
+}
+
+// newRootCommand builds the command tree. It is built fresh for every run, so
+// nothing is shared through package state.
+func newRootCommand() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "retrysafe",
+		Short:         "Retry-safe workflows: idempotency keys, outbox, inbox and saga on one SQLite file",
+		SilenceUsage:  true,
+		SilenceErrors: false,
+	}
+	root.AddCommand(
+		newDemoCommand(),
+		newServeCommand(),
+		newRelayCommand(),
+		newWorkerCommand(),
+		newInspectCommand(),
+		newCleanupCommand(),
+	)
+	return root
+}
+
+// openExistingApp opens an App over a database that must already exist: a
+// typo in --db should say so, not quietly create an empty file.
+func openExistingApp(ctx context.Context, path string) (*App, error) {
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
+	}
+	return openApp(ctx, path, nil, nil, nil)
+}
+
+// openApp opens (creating if needed) the database at path and returns an App
+// over it with the consumers subscribed.
+func openApp(ctx context.Context, path string, clock func() time.Time, ids func(string) string, fault faultHook) (*App, error) {
+	db, err := openDB(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	app := newApp(db, clock, ids, fault)
+	if err := app.subscribeConsumers(ctx); err != nil {
+		db.Close()
+		return nil, err
+	}
+	return app, nil
+}
+
+// newServeCommand builds "retrysafe serve".
+func newServeCommand() *cobra.Command {
+	var dbPath, addr string
+	var workers bool
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Serve the HTTP API, and run the workers unless --workers=false",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file (created if missing)")
+	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
+	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
+	return cmd
+}
+
+// serveConfig reads the server's settings from the environment.
+func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte, err error) {
+	if spec := os.Getenv("RETRYSAFE_API_KEYS"); spec != "" {
+		apiKeys, err = parseAPIKeys(spec)
+		if err != nil {
+			return nil, nil, err
+		}
+	} else {
+		apiKeys = map[string]string{devAPIKey: devUserID}
+		fmt.Fprintf(out, "RETRYSAFE_API_KEYS is not set: accepting the dev key %s for %s\n", devAPIKey, devUserID)
+	}
+	secret := os.Getenv("RETRYSAFE_WEBHOOK_SECRET")
+	if secret == "" {
+		secret = devWebhookSecret
+		fmt.Fprintf(out, "RETRYSAFE_WEBHOOK_SECRET is not set: webhooks are checked against the dev secret %s\n", devWebhookSecret)
+	}
+	return apiKeys, []byte(secret), nil
+}
+
+// serve runs the API until ctx is done, then shuts down in order: stop
+// accepting, finish in-flight requests, stop the loops, close the database.
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool) error {
+	apiKeys, webhookSecret, err := serveConfig(out)
+	if err != nil {
+		return err
+	}
+	logger := slog.New(slog.NewTextHandler(out, nil))
+	app, err := openApp(ctx, dbPath, nil, nil, nil)
+	if err != nil {
+		return err
+	}
+	defer app.db.Close()
+
+	listener, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", addr, err)
+	}
+	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
+	httpServer := newHTTPServer(addr, s.routes())
+	fmt.Fprintf(out, "retrysafe serving http://%s (database %s)\n", listener.Addr(), dbPath)
+
+	loopCtx, stopLoops := context.WithCancel(context.Background())
+	var loops sync.WaitGroup
+	if workers {
+		startRelayLoop(loopCtx, &loops, app, workerName("serve"), logger)
+		startWorkerLoops(loopCtx, &loops, app, workerName("serve"), logger)
+	}
+
+	served := make(chan error, 1)
+	go func() { served <- httpServer.Serve(listener) }()
+	select {
+	case <-ctx.Done():
+	case err = <-served:
+	}
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	shutdownErr := httpServer.Shutdown(shutdownCtx)
+	stopLoops()
+	loops.Wait()
+	logger.Info("stopped")
+	if err != nil && !errors.Is(err, net.ErrClosed) {
+		return err
+	}
+	return shutdownErr
+}
+
+// newRelayCommand builds "retrysafe relay".
+func newRelayCommand() *cobra.Command {
+	var dbPath string
+	cmd := &cobra.Command{
+		Use:   "relay",
+		Short: "Run the outbox relay as its own process",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", startRelayLoop)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	return cmd
+}
+
+// newWorkerCommand builds "retrysafe worker".
+func newWorkerCommand() *cobra.Command {
+	var dbPath string
+	cmd := &cobra.Command{
+		Use:   "worker",
+		Short: "Run the consumers, saga recovery, refund completer and cleanup as their own process",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", startWorkerLoops)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	return cmd
+}
+
+// runLoops runs the loops that start starts until ctx is done.
+func runLoops(ctx context.Context, out io.Writer, dbPath, role string,
+	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
+	logger := slog.New(slog.NewTextHandler(out, nil))
+	app, err := openApp(ctx, dbPath, nil, nil, nil)
+	if err != nil {
+		return err
+	}
+	defer app.db.Close()
+	var loops sync.WaitGroup
+	start(ctx, &loops, app, workerName(role), logger)
+	logger.Info("started", "role", role, "db", dbPath)
+	loops.Wait()
+	logger.Info("stopped", "role", role)
+	return nil
+}
+
+// workerName names this process in leases, so inspect shows who holds what.
+func workerName(role string) string {
+	host, err := os.Hostname()
+	if err != nil {
+		host = "localhost"
+	}
+	return role + "@" + host + ":" + strconv.Itoa(os.Getpid())
+}
+
+// Idle waits of the loops: how long a loop sleeps when a pass found nothing.
+const (
+	relayIdle   = 200 * time.Millisecond
+	workerIdle  = 200 * time.Millisecond
+	cleanupIdle = time.Hour
+)
+
+// startRelayLoop starts the relay loop. It exits when ctx is done.
+func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
+	startLoop(ctx, wg, logger, "relay", relayIdle, func(ctx context.Context) (int, error) {
+		return app.relayOnce(ctx, workerID, relayBatchSize)
+	})
+}
+
+// startWorkerLoops starts one loop per consumer, the saga loop (which is also
+// saga recovery), the refund completer and cleanup. They exit when ctx is
+// done.
+func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
+	for _, c := range app.consumers() {
+		startLoop(ctx, wg, logger, "consume "+c.name, workerIdle, func(ctx context.Context) (int, error) {
+			results, err := app.consumeOnce(ctx, c, consumeBatchSize)
+			return len(results), err
+		})
+	}
+	startLoop(ctx, wg, logger, "saga", workerIdle, func(ctx context.Context) (int, error) {
+		return app.sagaOnce(ctx, workerID, sagaBatchSize)
+	})
+	startLoop(ctx, wg, logger, "refund completer", time.Second, func(ctx context.Context) (int, error) {
+		return app.completeRefundsOnce(ctx, refundBatchSize)
+	})
+	startLoop(ctx, wg, logger, "cleanup", cleanupIdle, func(ctx context.Context) (int, error) {
+		result, err := app.cleanupOnce(ctx)
+		if err == nil && result != (cleanupResult{}) {
+			logger.Info("cleanup", "keys", result.Keys, "outbox_events", result.OutboxEvents,
+				"broker_messages", result.BrokerMessages, "inbox_messages", result.InboxMessages)
+		}
+		return 0, err
+	})
+}
+
+// startLoop runs once in a goroutine until ctx is done: again at once while
+// it finds work, after idle when it finds none, and after a growing pause
+// when it fails. The goroutine exits when ctx is done.
+func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, name string, idle time.Duration, once func(ctx context.Context) (int, error)) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		failures := 0
+		for ctx.Err() == nil {
+			n, err := once(ctx)
+			wait := time.Duration(0)
+			switch {
+			case err != nil && ctx.Err() != nil:
+				return
+			case err != nil:
+				failures++
+				wait = min(idle<<min(failures, 6), 30*time.Second)
+				logger.Error("loop failed", "loop", name, "error", err, "retry_in", wait)
+			case n == 0:
+				failures = 0
+				wait = idle
+			default:
+				failures = 0
+			}
+			if wait == 0 {
+				continue
+			}
+			timer := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				return
+			case <-timer.C:
+			}
+		}
+	}()
+}
+
+// newInspectCommand builds "retrysafe inspect".
+func newInspectCommand() *cobra.Command {
+	var dbPath string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "inspect",
+		Short: "Print every layer's tables (aligned text, or --json)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			app, err := openExistingApp(cmd.Context(), dbPath)
+			if err != nil {
+				return err
+			}
+			defer app.db.Close()
+			return inspect(cmd.Context(), app.db, cmd.OutOrStdout(), asJSON)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON instead of aligned text")
+	return cmd
+}
+
+// newCleanupCommand builds "retrysafe cleanup".
+func newCleanupCommand() *cobra.Command {
+	var dbPath string
+	cmd := &cobra.Command{
+		Use:   "cleanup",
+		Short: "Delete expired idempotency keys and delivered messages older than a week",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			app, err := openExistingApp(cmd.Context(), dbPath)
+			if err != nil {
+				return err
+			}
+			defer app.db.Close()
+			result, err := app.cleanupOnce(cmd.Context())
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "deleted %d expired idempotency keys, %d published outbox events, %d broker messages, %d inbox rows\n",
+				result.Keys, result.OutboxEvents, result.BrokerMessages, result.InboxMessages)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	return cmd
+}

@@ -1,0 +1,389 @@
+// The order service: what an order is, how a create request is checked, and
+// how the order follows the payment result it hears about through its inbox
+// (the article's step 7: "the order status is updated safely, in its own
+// transaction").
+
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+	"strings"
+	"time"
+)
+
+// Order statuses (orders.status).
+const (
+	orderCreated   = "created"
+	orderPaid      = "paid"
+	orderCancelled = "cancelled"
+	orderRefunded  = "refunded"
+)
+
+// Limits on a create request. maxAmountCents is Stripe's limit for a USD
+// charge; anything larger is a client bug, not a purchase.
+const (
+	maxAmountCents = 99_999_999
+	maxOrderItems  = 50
+	maxItemQty     = 1000
+)
+
+// Currencies and payment methods the fake processor knows.
+var (
+	supportedCurrencies = map[string]bool{"usd": true, "eur": true, "gbp": true}
+	paymentMethods      = map[string]bool{
+		pmCardVisa:     true,
+		pmCardDeclined: true,
+		pmCardTimeout:  true,
+	}
+)
+
+var skuPattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,63}$`)
+
+// orderItem is one line of an order.
+type orderItem struct {
+	SKU string `json:"sku"`
+	Qty int64  `json:"qty"`
+}
+
+// orderRequest is a valid body of POST /api/orders.
+type orderRequest struct {
+	AmountCents   int64       `json:"amount_cents"`
+	Currency      string      `json:"currency"`
+	Items         []orderItem `json:"items"`
+	PaymentMethod string      `json:"payment_method"`
+}
+
+// fieldError says what is wrong with one field of a request.
+type fieldError struct {
+	Field  string `json:"field"`
+	Detail string `json:"detail"`
+}
+
+// invalidRequestError is returned for a request body the API will not take.
+// Nothing is stored for it, so the client may fix the body and retry with
+// the same idempotency key.
+type invalidRequestError struct {
+	Errors []fieldError
+}
+
+func (e *invalidRequestError) Error() string {
+	var parts []string
+	for _, fe := range e.Errors {
+		parts = append(parts, fe.Field+": "+fe.Detail)
+	}
+	return "invalid request: " + strings.Join(parts, "; ")
+}
+
+// invalidField returns an invalidRequestError for one field.
+func invalidField(field, detail string) error {
+	return &invalidRequestError{Errors: []fieldError{{Field: field, Detail: detail}}}
+}
+
+// decodeStrict decodes body into dst, rejecting unknown fields and trailing
+// data, and turns the decoder's errors into ones that name the field.
+func decodeStrict(body []byte, dst any) error {
+	decoder := json.NewDecoder(bytes.NewReader(body))
+	decoder.DisallowUnknownFields()
+	if err := decoder.Decode(dst); err != nil {
+		var typeErr *json.UnmarshalTypeError
+		var syntaxErr *json.SyntaxError
+		switch {
+		case errors.As(err, &typeErr) && typeErr.Field != "":
+			return invalidField(typeErr.Field, fmt.Sprintf("must be %s, not a JSON %s", jsonTypeName(typeErr.Type.Kind().String()), typeErr.Value))
+		case errors.As(err, &typeErr):
+			return invalidField("body", "must be a JSON object")
+		case errors.As(err, &syntaxErr):
+			return invalidField("body", fmt.Sprintf("invalid JSON at byte %d: %v", syntaxErr.Offset, syntaxErr))
+		case strings.HasPrefix(err.Error(), "json: unknown field "):
+			field := strings.Trim(strings.TrimPrefix(err.Error(), "json: unknown field "), `"`)
+			return invalidField(field, "unknown field")
+		case errors.Is(err, io.EOF):
+			return invalidField("body", "is empty")
+		default:
+			return invalidField("body", err.Error())
+		}
+	}
+	if _, err := decoder.Token(); err != io.EOF {
+		return invalidField("body", "has data after the JSON object")
+	}
+	return nil
+}
+
+// jsonTypeName names a Go kind the way a JSON client thinks of it.
+func jsonTypeName(kind string) string {
+	switch kind {
+	case "int64", "int", "int32":
+		return "an integer"
+	case "string":
+		return "a string"
+	case "slice":
+		return "an array"
+	case "struct", "map":
+		return "an object"
+	default:
+		return kind
+	}
+}
+
+// decodeOrderRequest parses and checks a POST /api/orders body. Returns an
+// *invalidRequestError naming every field that is wrong.
+func decodeOrderRequest(body []byte) (orderRequest, error) {
+	// Pointers tell a missing field from a zero one.
+	var raw struct {
+		AmountCents *int64  `json:"amount_cents"`
+		Currency    *string `json:"currency"`
+		Items       *[]struct {
+			SKU *string `json:"sku"`
+			Qty *int64  `json:"qty"`
+		} `json:"items"`
+		PaymentMethod *string `json:"payment_method"`
+	}
+	if err := decodeStrict(body, &raw); err != nil {
+		return orderRequest{}, err
+	}
+
+	var problems []fieldError
+	var order orderRequest
+	switch {
+	case raw.AmountCents == nil:
+		problems = append(problems, fieldError{"amount_cents", "is required"})
+	case *raw.AmountCents <= 0:
+		problems = append(problems, fieldError{"amount_cents", "must be greater than 0"})
+	case *raw.AmountCents > maxAmountCents:
+		problems = append(problems, fieldError{"amount_cents", fmt.Sprintf("must be at most %d", maxAmountCents)})
+	default:
+		order.AmountCents = *raw.AmountCents
+	}
+	switch {
+	case raw.Currency == nil:
+		problems = append(problems, fieldError{"currency", "is required"})
+	case !supportedCurrencies[*raw.Currency]:
+		problems = append(problems, fieldError{"currency", "must be one of usd, eur, gbp"})
+	default:
+		order.Currency = *raw.Currency
+	}
+	switch {
+	case raw.Items == nil:
+		problems = append(problems, fieldError{"items", "is required"})
+	case len(*raw.Items) == 0:
+		problems = append(problems, fieldError{"items", "must not be empty"})
+	case len(*raw.Items) > maxOrderItems:
+		problems = append(problems, fieldError{"items", fmt.Sprintf("must have at most %d items", maxOrderItems)})
+	default:
+		seen := map[string]bool{}
+		for i, item := range *raw.Items {
+			field := fmt.Sprintf("items[%d]", i)
+			switch {
+			case item.SKU == nil:
+				problems = append(problems, fieldError{field + ".sku", "is required"})
+			case !skuPattern.MatchString(*item.SKU):
+				problems = append(problems, fieldError{field + ".sku", "must be lower-case letters, digits and dashes"})
+			case seen[*item.SKU]:
+				problems = append(problems, fieldError{field + ".sku", "appears twice; add the quantities"})
+			}
+			switch {
+			case item.Qty == nil:
+				problems = append(problems, fieldError{field + ".qty", "is required"})
+			case *item.Qty <= 0 || *item.Qty > maxItemQty:
+				problems = append(problems, fieldError{field + ".qty", fmt.Sprintf("must be between 1 and %d", maxItemQty)})
+			}
+			if item.SKU != nil && item.Qty != nil {
+				seen[*item.SKU] = true
+				order.Items = append(order.Items, orderItem{SKU: *item.SKU, Qty: *item.Qty})
+			}
+		}
+	}
+	switch {
+	case raw.PaymentMethod == nil:
+		problems = append(problems, fieldError{"payment_method", "is required"})
+	case !paymentMethods[*raw.PaymentMethod]:
+		problems = append(problems, fieldError{"payment_method", "must be one of pm_card_visa, pm_card_chargeDeclined, pm_card_timeout"})
+	default:
+		order.PaymentMethod = *raw.PaymentMethod
+	}
+	if len(problems) > 0 {
+		return orderRequest{}, &invalidRequestError{Errors: problems}
+	}
+	return order, nil
+}
+
+// checkSKUs returns an *invalidRequestError if an item names a SKU the
+// warehouse does not stock. Too little stock is not an input error: the saga
+// finds out and cancels the order.
+func checkSKUs(ctx context.Context, db *sql.DB, items []orderItem) error {
+	for i, item := range items {
+		var exists bool
+		err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM stock_items WHERE sku = ?)`, item.SKU).Scan(&exists)
+		if err != nil {
+			return fmt.Errorf("look up sku: %w", err)
+		}
+		if !exists {
+			return invalidField(fmt.Sprintf("items[%d].sku", i), fmt.Sprintf("unknown sku %q", item.SKU))
+		}
+	}
+	return nil
+}
+
+// orderRow is a row of orders.
+type orderRow struct {
+	OrderID        string
+	UserID         string
+	AmountCents    int64
+	Currency       string
+	Items          []orderItem
+	PaymentMethod  string
+	Status         string
+	IdempotencyKey string
+	ChargeID       sql.NullString
+	RefundedCents  int64
+	CancelReason   sql.NullString
+	CreatedAt      string
+}
+
+// orderView is the order as the API shows it.
+type orderView struct {
+	OrderID       string       `json:"order_id"`
+	Status        string       `json:"status"`
+	AmountCents   int64        `json:"amount_cents"`
+	Currency      string       `json:"currency"`
+	Items         []orderItem  `json:"items"`
+	PaymentMethod string       `json:"payment_method"`
+	RefundedCents int64        `json:"refunded_cents"`
+	CancelReason  string       `json:"cancel_reason,omitempty"`
+	CreatedAt     string       `json:"created_at"`
+	Payment       *paymentView `json:"payment,omitempty"`
+	Saga          *sagaView    `json:"saga,omitempty"`
+}
+
+// paymentView is the order's charge as GET /api/orders/{id} shows it.
+type paymentView struct {
+	ChargeID      string `json:"charge_id"`
+	CapturedCents int64  `json:"captured_cents"`
+	RefundedCents int64  `json:"refunded_cents"`
+}
+
+// view returns the order as the API shows it, without payment and saga.
+func (o orderRow) view() orderView {
+	return orderView{
+		OrderID:       o.OrderID,
+		Status:        o.Status,
+		AmountCents:   o.AmountCents,
+		Currency:      o.Currency,
+		Items:         o.Items,
+		PaymentMethod: o.PaymentMethod,
+		RefundedCents: o.RefundedCents,
+		CancelReason:  o.CancelReason.String,
+		CreatedAt:     o.CreatedAt,
+	}
+}
+
+// insertOrder writes a new order in tx.
+func insertOrder(ctx context.Context, tx *sql.Tx, order orderRow) error {
+	items, err := json.Marshal(order.Items)
+	if err != nil {
+		return fmt.Errorf("encode items: %w", err)
+	}
+	_, err = tx.ExecContext(ctx, `
+		INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status,
+		                    idempotency_key, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		order.OrderID, order.UserID, order.AmountCents, order.Currency, items, order.PaymentMethod, order.Status,
+		order.IdempotencyKey, order.CreatedAt, order.CreatedAt,
+	)
+	if err != nil {
+		return fmt.Errorf("insert order: %w", err)
+	}
+	return nil
+}
+
+// errOrderNotFound is returned when an order does not exist or belongs to
+// another user; the API answers both with 404 so ids cannot be probed.
+var errOrderNotFound = errors.New("order not found")
+
+// queryer is what both *sql.DB and *sql.Tx offer for reads, so a read can
+// run inside a transaction or outside one.
+type queryer interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+// readOrder reads one order. Returns errOrderNotFound if there is none.
+func readOrder(ctx context.Context, q queryer, orderID string) (orderRow, error) {
+	var order orderRow
+	var items []byte
+	err := q.QueryRowContext(ctx, `
+		SELECT order_id, user_id, amount_cents, currency, items, payment_method, status,
+		       COALESCE(idempotency_key, ''), charge_id, refunded_cents, cancel_reason, created_at
+		FROM orders WHERE order_id = ?`, orderID,
+	).Scan(&order.OrderID, &order.UserID, &order.AmountCents, &order.Currency, &items, &order.PaymentMethod,
+		&order.Status, &order.IdempotencyKey, &order.ChargeID, &order.RefundedCents, &order.CancelReason, &order.CreatedAt)
+	if errors.Is(err, sql.ErrNoRows) {
+		return orderRow{}, errOrderNotFound
+	}
+	if err != nil {
+		return orderRow{}, fmt.Errorf("read order: %w", err)
+	}
+	if err := json.Unmarshal(items, &order.Items); err != nil {
+		return orderRow{}, fmt.Errorf("decode items of order %s: %w", orderID, err)
+	}
+	return order, nil
+}
+
+// orderServiceConsumer is the order service's subscription: it moves an
+// order to paid or cancelled when the saga's result arrives.
+const orderServiceConsumer = "order-svc"
+
+// applyPaymentResult is the order service's inbox handler. It runs in the
+// inbox transaction, so the status change and the record that this message
+// was applied commit together. An event that contradicts the order's state
+// is a permanent error: the message becomes poison for an operator.
+func (a *App) applyPaymentResult(ctx context.Context, tx *sql.Tx, msg message) error {
+	switch msg.Subject {
+	case eventPaymentCaptured:
+		var payload paymentCapturedPayload
+		if err := json.Unmarshal(msg.Payload, &payload); err != nil {
+			return permanent(fmt.Errorf("decode %s: %w", msg.Subject, err))
+		}
+		return setOrderStatus(ctx, tx, payload.OrderID, orderCreated, orderPaid, a.now(),
+			`charge_id = ?`, payload.ChargeID)
+	case eventOrderCancelled:
+		var payload orderCancelledPayload
+		if err := json.Unmarshal(msg.Payload, &payload); err != nil {
+			return permanent(fmt.Errorf("decode %s: %w", msg.Subject, err))
+		}
+		return setOrderStatus(ctx, tx, payload.OrderID, orderCreated, orderCancelled, a.now(),
+			`cancel_reason = ?`, payload.Reason)
+	default:
+		return permanent(fmt.Errorf("order service does not handle %s", msg.Subject))
+	}
+}
+
+// setOrderStatus moves an order from one status to another and sets one more
+// column. Returns a permanent error if the order is missing or not in from.
+func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID, from, to string, now time.Time, set string, value any) error {
+	result, err := tx.ExecContext(ctx,
+		`UPDATE orders SET status = ?, updated_at = ?, `+set+` WHERE order_id = ? AND status = ?`,
+		to, formatTime(now), value, orderID, from)
+	if err != nil {
+		return fmt.Errorf("update order %s: %w", orderID, err)
+	}
+	n, err := result.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("update order %s: %w", orderID, err)
+	}
+	if n == 1 {
+		return nil
+	}
+	order, err := readOrder(ctx, tx, orderID)
+	if err != nil {
+		return permanent(err)
+	}
+	return permanent(fmt.Errorf("order %s is %s, cannot become %s", orderID, order.Status, to))
+}

@@ -1,0 +1,248 @@
+// The transactional outbox (the article's "dual-write problem" section): an
+// event is written in the same transaction as the business row it announces,
+// and a relay publishes it later. The outbox makes publishing reliable, not
+// exactly-once: a relay that dies after publishing and before marking
+// publishes again, and the broker's dedupe and the consumers' inboxes absorb
+// the copy.
+//
+// Where the article's sample went wrong: its relay read pending rows and
+// published them without claiming them, so two relays running together
+// published every event twice in the same sweep. relayOnce claims a batch
+// under a lease first.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+)
+
+// Event types, and the payload each carries.
+const (
+	eventOrderCreated    = "OrderCreated"
+	eventPaymentCaptured = "PaymentCaptured"
+	eventOrderCancelled  = "OrderCancelled"
+	eventOrderRefunded   = "OrderRefunded"
+)
+
+// orderCreatedPayload is the payload of OrderCreated.
+type orderCreatedPayload struct {
+	OrderID       string      `json:"order_id"`
+	UserID        string      `json:"user_id"`
+	AmountCents   int64       `json:"amount_cents"`
+	Currency      string      `json:"currency"`
+	Items         []orderItem `json:"items"`
+	PaymentMethod string      `json:"payment_method"`
+}
+
+// paymentCapturedPayload is the payload of PaymentCaptured.
+type paymentCapturedPayload struct {
+	OrderID     string `json:"order_id"`
+	ChargeID    string `json:"charge_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// orderCancelledPayload is the payload of OrderCancelled.
+type orderCancelledPayload struct {
+	OrderID string `json:"order_id"`
+	Reason  string `json:"reason"`
+}
+
+// orderRefundedPayload is the payload of OrderRefunded.
+type orderRefundedPayload struct {
+	OrderID     string `json:"order_id"`
+	RefundID    string `json:"refund_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// Outbox statuses (outbox_events.status).
+const (
+	outboxPending   = "pending"
+	outboxPublished = "published"
+	outboxFailed    = "failed"
+)
+
+// Batch sizes of the background jobs.
+const (
+	relayBatchSize   = 128
+	consumeBatchSize = 64
+	sagaBatchSize    = 16
+	refundBatchSize  = 16
+)
+
+// outboxEvent is an event on its way out.
+type outboxEvent struct {
+	Seq         int64
+	EventID     string
+	EventType   string
+	AggregateID string
+	Payload     []byte
+	Attempts    int
+}
+
+// newOutboxEvent returns an event with a fresh event_id. The event_id is the
+// message id all the way: broker dedupe and every consumer's inbox key on it.
+func (a *App) newOutboxEvent(eventType, aggregateID string, payload any) (outboxEvent, error) {
+	encoded, err := json.Marshal(payload)
+	if err != nil {
+		return outboxEvent{}, fmt.Errorf("encode %s payload: %w", eventType, err)
+	}
+	return outboxEvent{
+		EventID:     a.newID("evt"),
+		EventType:   eventType,
+		AggregateID: aggregateID,
+		Payload:     encoded,
+	}, nil
+}
+
+// insertOutboxEvent writes event in tx: it is published if and only if the
+// rest of tx commits.
+func insertOutboxEvent(ctx context.Context, tx *sql.Tx, event outboxEvent, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
+		INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?)`,
+		event.EventID, event.EventType, event.AggregateID, event.Payload, outboxPending,
+		formatTime(now), formatTime(now),
+	)
+	if err != nil {
+		return fmt.Errorf("insert outbox event: %w", err)
+	}
+	return nil
+}
+
+// relayBackoff is how long the relay waits before it tries an event again
+// after its attempts-th failure: 1s, 2s, 4s ... at most 5 minutes.
+func relayBackoff(attempts int) time.Duration {
+	backoff := time.Second << min(attempts-1, 9)
+	return min(backoff, 5*time.Minute)
+}
+
+// claimOutboxEvents leases up to limit publishable events to relayID. An
+// event is publishable when it is pending, due, not leased to a live relay,
+// and the oldest unpublished event of its aggregate: events of one order go
+// out in the order they were written, even with several relays.
+func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) ([]outboxEvent, error) {
+	var events []outboxEvent
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := formatTime(a.now())
+		rows, err := tx.QueryContext(ctx, `
+			UPDATE outbox_events
+			SET claimed_by = ?, claimed_until = ?
+			WHERE seq IN (
+				SELECT e.seq FROM outbox_events e
+				WHERE e.status = 'pending'
+				  AND e.next_attempt_at <= ?
+				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
+				  AND NOT EXISTS (
+					SELECT 1 FROM outbox_events earlier
+					WHERE earlier.aggregate_id = e.aggregate_id
+					  AND earlier.seq < e.seq
+					  AND earlier.status <> 'published')
+				ORDER BY e.seq
+				LIMIT ?)
+			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts`,
+			relayID, formatTime(a.now().Add(relayLease)), now, now, limit)
+		if err != nil {
+			return fmt.Errorf("claim outbox events: %w", err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var event outboxEvent
+			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts); err != nil {
+				return fmt.Errorf("scan outbox event: %w", err)
+			}
+			events = append(events, event)
+		}
+		return rows.Err()
+	})
+	if err != nil {
+		return nil, err
+	}
+	// RETURNING gives no order; publish in the order written.
+	sort.Slice(events, func(i, j int) bool { return events[i].Seq < events[j].Seq })
+	return events, nil
+}
+
+// relayOnce publishes one batch of pending outbox events to the broker and
+// marks them published. It returns how many it published.
+//
+// A crash after publishing and before marking leaves the events claimed; once
+// the lease passes, a relay publishes them again (the broker drops the copy by
+// message id). A failed publish is retried with relayBackoff, and after
+// maxPublishAttempts the event is marked failed: kept, shown by inspect,
+// never dropped.
+func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int, error) {
+	events, err := a.claimOutboxEvents(ctx, relayID, batchSize)
+	if err != nil {
+		return 0, err
+	}
+	var published []outboxEvent
+	for _, event := range events {
+		err := a.broker.publish(ctx, message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload})
+		if errors.Is(err, errCrash) {
+			return 0, err
+		}
+		if err != nil {
+			if err := a.recordPublishFailure(ctx, relayID, event, err); err != nil {
+				return 0, err
+			}
+			continue
+		}
+		if err := a.fault.at(ctx, faultAfterPublish); err != nil {
+			return 0, err
+		}
+		published = append(published, event)
+	}
+	if err := a.markPublished(ctx, relayID, published); err != nil {
+		return 0, err
+	}
+	return len(published), nil
+}
+
+// markPublished marks events published, in one transaction for the batch.
+// An event whose lease this relay lost is left alone: the relay that took it
+// over publishes and marks it.
+func (a *App) markPublished(ctx context.Context, relayID string, events []outboxEvent) error {
+	if len(events) == 0 {
+		return nil
+	}
+	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := formatTime(a.now())
+		for _, event := range events {
+			_, err := tx.ExecContext(ctx, `
+				UPDATE outbox_events
+				SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
+				WHERE event_id = ? AND status = 'pending' AND claimed_by = ?`,
+				now, event.EventID, relayID)
+			if err != nil {
+				return fmt.Errorf("mark outbox event %s published: %w", event.EventID, err)
+			}
+		}
+		return nil
+	})
+}
+
+// recordPublishFailure releases a failed event for a later attempt, or marks
+// it failed after maxPublishAttempts.
+func (a *App) recordPublishFailure(ctx context.Context, relayID string, event outboxEvent, publishErr error) error {
+	attempts := event.Attempts + 1
+	status := outboxPending
+	if attempts >= maxPublishAttempts {
+		status = outboxFailed
+	}
+	_, err := a.db.ExecContext(ctx, `
+		UPDATE outbox_events
+		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?, claimed_by = NULL, claimed_until = NULL
+		WHERE event_id = ? AND status = 'pending' AND claimed_by = ?`,
+		status, attempts, formatTime(a.now().Add(relayBackoff(attempts))), publishErr.Error(),
+		event.EventID, relayID)
+	if err != nil {
+		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
+	}
+	return nil
+}

@@ -1,0 +1,72 @@
+// Error responses as RFC 9457 problem details. The type tells a client what
+// went wrong without parsing the title: above all, a 422 for a reused
+// idempotency key must not look like any other 422.
+
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// problemType is a problem's "type": a relative URI that GET resolves to a
+// page explaining it (see server.go).
+type problemType string
+
+const (
+	problemValidation         problemType = "/problems/validation"
+	problemKeyMissing         problemType = "/problems/idempotency-key-missing"
+	problemKeyReused          problemType = "/problems/idempotency-key-reused"
+	problemKeyInProgress      problemType = "/problems/idempotency-key-in-progress"
+	problemUnauthorized       problemType = "/problems/unauthorized"
+	problemNotFound           problemType = "/problems/not-found"
+	problemMethodNotAllowed   problemType = "/problems/method-not-allowed"
+	problemUnsupportedMedia   problemType = "/problems/unsupported-media-type"
+	problemBodyTooLarge       problemType = "/problems/body-too-large"
+	problemOrderNotRefundable problemType = "/problems/order-not-refundable"
+	problemRefundTooLarge     problemType = "/problems/refund-exceeds-remaining"
+	problemProcessorRefused   problemType = "/problems/processor-refused"
+	problemUnavailable        problemType = "/problems/temporarily-unavailable"
+	problemBadSignature       problemType = "/problems/bad-signature"
+	problemInternal           problemType = "/problems/internal"
+)
+
+// problemDocs explains each problem type to a person who follows its URI.
+var problemDocs = map[problemType]string{
+	problemValidation:         "The request body is not a valid request. Fix the fields named in errors and send it again; the same Idempotency-Key may be reused, since nothing was stored.",
+	problemKeyMissing:         "POST requests must carry an Idempotency-Key header: 1 to 255 printable ASCII characters, unique per operation (a UUID v4 is a good choice).",
+	problemKeyReused:          "This Idempotency-Key was first used with a different request (method, path or body). Nothing was done. Use a new key for a new operation; reuse a key only to retry the very same request.",
+	problemKeyInProgress:      "A request with this Idempotency-Key is still being processed. Retry after the Retry-After delay; you will get its result.",
+	problemUnauthorized:       "Send Authorization: Bearer <api key>.",
+	problemNotFound:           "There is no such resource, or it belongs to another user.",
+	problemMethodNotAllowed:   "This resource does not accept that method.",
+	problemUnsupportedMedia:   "Send the body as Content-Type: application/json.",
+	problemBodyTooLarge:       "The request body is larger than the server accepts.",
+	problemOrderNotRefundable: "Only a paid order can be refunded. This outcome is stored under the Idempotency-Key.",
+	problemRefundTooLarge:     "The refund is larger than what remains to refund. This outcome is stored under the Idempotency-Key.",
+	problemProcessorRefused:   "The card processor refused the refund. This outcome is stored under the Idempotency-Key.",
+	problemUnavailable:        "A transient failure; nothing was stored. Retry with the same Idempotency-Key after Retry-After.",
+	problemBadSignature:       "The webhook's Retrysafe-Signature header is missing, wrong or too old.",
+	problemInternal:           "An unexpected error; nothing was stored. Retry with the same Idempotency-Key.",
+}
+
+// problem is an RFC 9457 problem details object.
+type problem struct {
+	Type   problemType `json:"type"`
+	Title  string      `json:"title"`
+	Status int         `json:"status"`
+	Detail string      `json:"detail,omitempty"`
+	// Errors names the fields at fault, for validation problems.
+	Errors []fieldError `json:"errors,omitempty"`
+}
+
+// problemResponse returns a problem as an apiResponse, so that a definitive
+// failure can be stored under an idempotency key and replayed like a
+// success.
+func problemResponse(p problem) apiResponse {
+	body, err := json.Marshal(p)
+	if err != nil {
+		panic(fmt.Sprintf("bug: encode problem: %v", err))
+	}
+	return apiResponse{Status: p.Status, Body: body}
+}

@@ -1,0 +1,186 @@
+// The fake card processor: an outside system, run in process with its own
+// ledger (processor_charges, processor_refunds) so audits can compare what
+// we think we charged with what the processor did. It honours idempotency
+// keys the way Stripe does: the same key returns the original result without
+// charging again; the same key with other parameters is an error.
+//
+// Test payment methods:
+//   - pm_card_visa succeeds;
+//   - pm_card_chargeDeclined is declined;
+//   - pm_card_timeout charges, then loses the first response: the caller
+//     sees a timeout and cannot tell whether money moved. The only safe
+//     retry is one with the same key (the second article's scenario).
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Test payment methods.
+const (
+	pmCardVisa     = "pm_card_visa"
+	pmCardDeclined = "pm_card_chargeDeclined"
+	pmCardTimeout  = "pm_card_timeout"
+)
+
+// Processor answers.
+var (
+	// errCardDeclined: the charge was refused; a definitive business outcome.
+	errCardDeclined = errors.New("card declined")
+	// errProcessorTimeout: no answer came back. The work may or may not have
+	// happened; retry with the same idempotency key.
+	errProcessorTimeout = errors.New("processor timed out")
+	// errProcessorKeyReused: the key was first used with other parameters.
+	errProcessorKeyReused = errors.New("processor: idempotency key reused with different parameters")
+	// errRefundExceedsCharge: the refund is for more than is left to refund.
+	errRefundExceedsCharge = errors.New("processor: refund exceeds the charge's remaining amount")
+)
+
+// Processor is the fake card processor.
+type Processor struct {
+	db    *sql.DB
+	now   func() time.Time
+	newID func(prefix string) string
+	fault faultHook
+}
+
+// chargeRequest is one call to charge.
+type chargeRequest struct {
+	IdempotencyKey string
+	OrderID        string
+	AmountCents    int64
+	Currency       string
+	PaymentMethod  string
+}
+
+// charge charges a card under an idempotency key. Returns the charge id, or
+// errCardDeclined (also on every retry of a declined key),
+// errProcessorKeyReused, or errProcessorTimeout when the response was lost
+// (the charge may exist: retry with the same key to learn its id).
+func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, error) {
+	var chargeID, status string
+	var firstCall bool
+	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+		var orderID, currency, paymentMethod string
+		var amount int64
+		err := tx.QueryRowContext(ctx, `
+			SELECT charge_id, order_id, amount_cents, currency, payment_method, status
+			FROM processor_charges WHERE idempotency_key = ?`, req.IdempotencyKey,
+		).Scan(&chargeID, &orderID, &amount, &currency, &paymentMethod, &status)
+		switch {
+		case err == nil:
+			if orderID != req.OrderID || amount != req.AmountCents || currency != req.Currency || paymentMethod != req.PaymentMethod {
+				return errProcessorKeyReused
+			}
+			_, err := tx.ExecContext(ctx, `UPDATE processor_charges SET key_hits = key_hits + 1 WHERE charge_id = ?`, chargeID)
+			if err != nil {
+				return fmt.Errorf("processor: count key hit: %w", err)
+			}
+			return nil
+		case errors.Is(err, sql.ErrNoRows):
+			// First time this key is seen: do the work.
+		default:
+			return fmt.Errorf("processor: read charge: %w", err)
+		}
+
+		firstCall = true
+		chargeID = p.newID("ch")
+		status = "succeeded"
+		if req.PaymentMethod == pmCardDeclined {
+			// Like Stripe, a decline is recorded under the key, so a retry
+			// is declined again instead of trying the card a second time.
+			status = "declined"
+		}
+		_, err = tx.ExecContext(ctx, `
+			INSERT INTO processor_charges (charge_id, idempotency_key, order_id, amount_cents, currency, payment_method, status, created_at)
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?)`,
+			chargeID, req.IdempotencyKey, req.OrderID, req.AmountCents, req.Currency, req.PaymentMethod, status, formatTime(p.now()))
+		if err != nil {
+			return fmt.Errorf("processor: insert charge: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return "", err
+	}
+	if err := p.loseResponse(ctx, firstCall && req.PaymentMethod == pmCardTimeout); err != nil {
+		return "", err
+	}
+	if status == "declined" {
+		return "", errCardDeclined
+	}
+	return chargeID, nil
+}
+
+// refund refunds amountCents of a charge under an idempotency key. Returns
+// the refund id, or errRefundExceedsCharge, errProcessorKeyReused, or
+// errProcessorTimeout when the response was lost.
+func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string, amountCents int64) (string, error) {
+	var refundID string
+	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+		var existingCharge string
+		var existingAmount int64
+		err := tx.QueryRowContext(ctx, `
+			SELECT refund_id, charge_id, amount_cents FROM processor_refunds WHERE idempotency_key = ?`, idempotencyKey,
+		).Scan(&refundID, &existingCharge, &existingAmount)
+		switch {
+		case err == nil:
+			if existingCharge != chargeID || existingAmount != amountCents {
+				return errProcessorKeyReused
+			}
+			_, err := tx.ExecContext(ctx, `UPDATE processor_refunds SET key_hits = key_hits + 1 WHERE refund_id = ?`, refundID)
+			if err != nil {
+				return fmt.Errorf("processor: count key hit: %w", err)
+			}
+			return nil
+		case errors.Is(err, sql.ErrNoRows):
+		default:
+			return fmt.Errorf("processor: read refund: %w", err)
+		}
+
+		result, err := tx.ExecContext(ctx, `
+			UPDATE processor_charges SET refunded_cents = refunded_cents + ?
+			WHERE charge_id = ? AND status = 'succeeded' AND refunded_cents + ? <= amount_cents`,
+			amountCents, chargeID, amountCents)
+		if err != nil {
+			return fmt.Errorf("processor: update charge: %w", err)
+		}
+		if n, err := result.RowsAffected(); err != nil || n != 1 {
+			return errRefundExceedsCharge
+		}
+		refundID = p.newID("re")
+		_, err = tx.ExecContext(ctx, `
+			INSERT INTO processor_refunds (refund_id, idempotency_key, charge_id, amount_cents, created_at)
+			VALUES (?, ?, ?, ?, ?)`,
+			refundID, idempotencyKey, chargeID, amountCents, formatTime(p.now()))
+		if err != nil {
+			return fmt.Errorf("processor: insert refund: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return "", err
+	}
+	if err := p.loseResponse(ctx, false); err != nil {
+		return "", err
+	}
+	return refundID, nil
+}
+
+// loseResponse returns errProcessorTimeout when the answer to a call that
+// did its work is lost on the way back: always when lose is set, and
+// whenever the fault hook fires at faultProcessorLoseResponse.
+func (p *Processor) loseResponse(ctx context.Context, lose bool) error {
+	if lose {
+		return errProcessorTimeout
+	}
+	if err := p.fault.at(ctx, faultProcessorLoseResponse); err != nil {
+		return fmt.Errorf("%w (%v)", errProcessorTimeout, err)
+	}
+	return nil
+}

@@ -1,0 +1,405 @@
+// Refunds: an idempotent request that calls another system. Creating an
+// order touches only our database, so createOrder is one transaction. A
+// refund calls the card processor, and no transaction can span that call; so,
+// the way Stripe does it internally, the request is split into atomic phases
+// with a recovery point persisted on the idempotency key after each:
+//
+//	started           the key is claimed; check the order, record a pending refund
+//	refund_requested  call the processor with a key derived from ours
+//	finished          the response is stored and replays from now on
+//
+// A request holds a lease on the key (locked_at) while it works: a second
+// request with the same key gets 409 until the lease passes. If the process
+// dies between phases, the client's retry after the lease, or the completer
+// in the worker loop if the client never comes back, resumes at the recovery
+// point. The processor's idempotency key makes the resumed call return the
+// refund it already made: a refund never happens twice.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// recoveryPoint is idempotency_keys.recovery_point.
+type recoveryPoint string
+
+const (
+	recoveryStarted         recoveryPoint = "started"
+	recoveryRefundRequested recoveryPoint = "refund_requested"
+	recoveryFinished        recoveryPoint = "finished"
+)
+
+// refundRequest is a valid body of POST /api/orders/{id}/refund. A nil
+// AmountCents refunds everything that remains.
+type refundRequest struct {
+	AmountCents *int64 `json:"amount_cents"`
+}
+
+// decodeRefundRequest parses and checks a refund body.
+func decodeRefundRequest(body []byte) (refundRequest, error) {
+	var refund refundRequest
+	if err := decodeStrict(body, &refund); err != nil {
+		return refundRequest{}, err
+	}
+	if refund.AmountCents != nil && (*refund.AmountCents <= 0 || *refund.AmountCents > maxAmountCents) {
+		return refundRequest{}, invalidField("amount_cents", fmt.Sprintf("must be between 1 and %d", maxAmountCents))
+	}
+	return refund, nil
+}
+
+// refundView is the answer of a successful refund.
+type refundView struct {
+	RefundID    string    `json:"refund_id"`
+	AmountCents int64     `json:"amount_cents"`
+	Status      string    `json:"status"`
+	Order       orderView `json:"order"`
+}
+
+// refundPath returns the API path that refunds orderID.
+func refundPath(orderID string) string {
+	return "/api/orders/" + orderID + "/refund"
+}
+
+// orderIDFromRefundPath is refundPath's inverse.
+func orderIDFromRefundPath(path string) (string, bool) {
+	orderID, ok := strings.CutPrefix(path, "/api/orders/")
+	if !ok {
+		return "", false
+	}
+	return strings.CutSuffix(orderID, "/refund")
+}
+
+// refundOrder refunds an order under an idempotency key, phase by phase.
+// Returns errKeyReused, errKeyInProgress, or a transient error (the
+// processor timed out: the lease is released and a retry resumes). Business
+// refusals (order not paid, amount too large) are definitive: they come back
+// as a stored problem response, not as an error.
+func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID string, refund refundRequest) (apiResponse, error) {
+	key, replay, err := a.acquireKey(ctx, req)
+	if err != nil {
+		return apiResponse{}, err
+	}
+	if replay != nil {
+		return *replay, nil
+	}
+	for {
+		switch key.RecoveryPoint {
+		case recoveryStarted:
+			if err := a.refundPhaseStarted(ctx, req, orderID, refund); err != nil {
+				return apiResponse{}, err
+			}
+			if err := a.fault.at(ctx, faultRefundStarted); err != nil {
+				return apiResponse{}, err
+			}
+		case recoveryRefundRequested:
+			if err := a.refundPhaseRequested(ctx, req, orderID); err != nil {
+				return apiResponse{}, err
+			}
+		case recoveryFinished:
+			// This request (or an earlier one that died) did the work; the
+			// answer is not a replay for this client's first success.
+			response := key.response()
+			response.Replayed = false
+			return response, nil
+		default:
+			return apiResponse{}, fmt.Errorf("bug: unhandled recovery point %q", key.RecoveryPoint)
+		}
+		key, err = a.readKey(ctx, req)
+		if err != nil {
+			return apiResponse{}, err
+		}
+	}
+}
+
+// readKey reads the key of req outside any transaction.
+func (a *App) readKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, error) {
+	var key idempotencyKeyRow
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		var err error
+		key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, a.now())
+		return err
+	})
+	return key, err
+}
+
+// acquireKey claims req's key, or takes over its lease if the lease has
+// passed. It returns the stored response instead if the key is finished,
+// errKeyInProgress while another request holds a fresh lease, and
+// errKeyReused if the key belongs to another request.
+func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, *apiResponse, error) {
+	var key idempotencyKeyRow
+	var replay *apiResponse
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := a.now()
+		lockedAt := sql.NullString{String: formatTime(now), Valid: true}
+		var err error
+		key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
+		switch {
+		case errors.Is(err, errKeyNotFound):
+			if err := insertKey(ctx, tx, req, recoveryStarted, lockedAt, now); err != nil {
+				return err
+			}
+			key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
+			return err
+		case err != nil:
+			return err
+		}
+		if err := checkSameRequest(key, req); err != nil {
+			return err
+		}
+		if key.RecoveryPoint == recoveryFinished {
+			response := key.response()
+			replay = &response
+			return nil
+		}
+		if key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-refundLockTimeout)) {
+			return errKeyInProgress
+		}
+		_, err = tx.ExecContext(ctx, `
+			UPDATE idempotency_keys SET locked_at = ? WHERE user_id = ? AND idempotency_key = ?`,
+			lockedAt, req.UserID, req.IdempotencyKey)
+		if err != nil {
+			return fmt.Errorf("take over idempotency key: %w", err)
+		}
+		return nil
+	})
+	return key, replay, err
+}
+
+// setRecoveryPoint moves a key to its next phase, in the transaction of the
+// phase's writes.
+func setRecoveryPoint(ctx context.Context, tx *sql.Tx, req idempotentRequest, point recoveryPoint) error {
+	_, err := tx.ExecContext(ctx, `
+		UPDATE idempotency_keys SET recovery_point = ? WHERE user_id = ? AND idempotency_key = ?`,
+		point, req.UserID, req.IdempotencyKey)
+	if err != nil {
+		return fmt.Errorf("set recovery point %s: %w", point, err)
+	}
+	return nil
+}
+
+// releaseKey drops the lease after a transient failure, so the client's
+// retry resumes at once instead of waiting out refundLockTimeout.
+func (a *App) releaseKey(ctx context.Context, req idempotentRequest) error {
+	_, err := a.db.ExecContext(ctx, `
+		UPDATE idempotency_keys SET locked_at = NULL WHERE user_id = ? AND idempotency_key = ?`,
+		req.UserID, req.IdempotencyKey)
+	if err != nil {
+		return fmt.Errorf("release idempotency key: %w", err)
+	}
+	return nil
+}
+
+// refundPhaseStarted checks the order and records a pending refund, or
+// stores a definitive refusal on the key. Counting pending refunds in what
+// remains means two refunds in flight under different keys can never
+// together exceed the charge.
+func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, orderID string, refund refundRequest) error {
+	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := a.now()
+		order, err := readOrder(ctx, tx, orderID)
+		if errors.Is(err, errOrderNotFound) || (err == nil && order.UserID != req.UserID) {
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+				Type: problemNotFound, Title: "Order not found", Status: 404,
+				Detail: fmt.Sprintf("no order %s", orderID),
+			}))
+		}
+		if err != nil {
+			return err
+		}
+		if order.Status != orderPaid {
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+				Type: problemOrderNotRefundable, Title: "Order is not refundable", Status: 409,
+				Detail: fmt.Sprintf("order %s is %s; only a paid order can be refunded", orderID, order.Status),
+			}))
+		}
+		var committed int64
+		err = tx.QueryRowContext(ctx, `
+			SELECT COALESCE(SUM(amount_cents), 0) FROM refunds WHERE order_id = ? AND status IN ('pending', 'succeeded')`,
+			orderID).Scan(&committed)
+		if err != nil {
+			return fmt.Errorf("sum refunds: %w", err)
+		}
+		remaining := order.AmountCents - committed
+		amount := remaining
+		if refund.AmountCents != nil {
+			amount = *refund.AmountCents
+		}
+		if amount <= 0 || amount > remaining {
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+				Type: problemRefundTooLarge, Title: "Refund exceeds what remains", Status: 422,
+				Detail: fmt.Sprintf("asked to refund %d; %d of %d remains refundable", amount, remaining, order.AmountCents),
+			}))
+		}
+		_, err = tx.ExecContext(ctx, `
+			INSERT INTO refunds (refund_id, order_id, amount_cents, status, source, idempotency_key, created_at, updated_at)
+			VALUES (?, ?, ?, 'pending', 'api', ?, ?, ?)`,
+			a.newID("rf"), orderID, amount, req.IdempotencyKey, formatTime(now), formatTime(now))
+		if err != nil {
+			return fmt.Errorf("insert refund: %w", err)
+		}
+		return setRecoveryPoint(ctx, tx, req, recoveryRefundRequested)
+	})
+}
+
+// refundPhaseRequested calls the processor for the pending refund and
+// records the outcome. Its processor key is derived from our refund id, so a
+// resumed call returns the refund already made.
+func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, orderID string) error {
+	var refundID string
+	var amount int64
+	err := a.db.QueryRowContext(ctx, `
+		SELECT refund_id, amount_cents FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
+		orderID, req.IdempotencyKey).Scan(&refundID, &amount)
+	if err != nil {
+		return fmt.Errorf("read refund of %s: %w", orderID, err)
+	}
+	order, err := readOrder(ctx, a.db, orderID)
+	if err != nil {
+		return err
+	}
+
+	processorRefundID, err := a.processor.refund(ctx, "refund:"+refundID, order.ChargeID.String, amount)
+	switch {
+	case err == nil:
+	case errors.Is(err, errCrash):
+		return err
+	case errors.Is(err, errRefundExceedsCharge), errors.Is(err, errProcessorKeyReused):
+		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+			if err := setRefundStatus(ctx, tx, refundID, "failed", sql.NullString{}, a.now()); err != nil {
+				return err
+			}
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+				Type: problemProcessorRefused, Title: "The processor refused the refund", Status: 422,
+				Detail: err.Error(),
+			}))
+		})
+	default:
+		// A timeout: the refund may have happened. Release the lease; the
+		// retry (or the completer) asks again with the same key.
+		if releaseErr := a.releaseKey(ctx, req); releaseErr != nil {
+			return releaseErr
+		}
+		return err
+	}
+	if err := a.fault.at(ctx, faultRefundAfterProcessor); err != nil {
+		return err
+	}
+
+	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := a.now()
+		if err := setRefundStatus(ctx, tx, refundID, "succeeded", sql.NullString{String: processorRefundID, Valid: true}, now); err != nil {
+			return err
+		}
+		if err := addRefundToOrder(ctx, tx, orderID, amount, now); err != nil {
+			return err
+		}
+		orderRefunded, err := a.newOutboxEvent(eventOrderRefunded, orderID, orderRefundedPayload{
+			OrderID: orderID, RefundID: refundID, AmountCents: amount,
+		})
+		if err != nil {
+			return err
+		}
+		if err := insertOutboxEvent(ctx, tx, orderRefunded, now); err != nil {
+			return err
+		}
+		updated, err := readOrder(ctx, tx, orderID)
+		if err != nil {
+			return err
+		}
+		body, err := json.Marshal(refundView{RefundID: refundID, AmountCents: amount, Status: "succeeded", Order: updated.view()})
+		if err != nil {
+			return fmt.Errorf("encode refund: %w", err)
+		}
+		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, apiResponse{Status: 200, Body: body})
+	})
+}
+
+// setRefundStatus settles a pending refund.
+func setRefundStatus(ctx context.Context, tx *sql.Tx, refundID, status string, processorRefundID sql.NullString, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
+		UPDATE refunds SET status = ?, processor_refund_id = ?, updated_at = ? WHERE refund_id = ? AND status = 'pending'`,
+		status, processorRefundID, formatTime(now), refundID)
+	if err != nil {
+		return fmt.Errorf("settle refund %s: %w", refundID, err)
+	}
+	return nil
+}
+
+// addRefundToOrder adds a refunded amount to an order; the order becomes
+// refunded when nothing remains.
+func addRefundToOrder(ctx context.Context, tx *sql.Tx, orderID string, amount int64, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
+		UPDATE orders
+		SET refunded_cents = refunded_cents + ?,
+		    status = CASE WHEN refunded_cents + ? >= amount_cents THEN 'refunded' ELSE status END,
+		    updated_at = ?
+		WHERE order_id = ?`,
+		amount, amount, formatTime(now), orderID)
+	if err != nil {
+		return fmt.Errorf("add refund to order %s: %w", orderID, err)
+	}
+	return nil
+}
+
+// completeRefundsOnce finishes up to max refund keys whose request was
+// abandoned: not finished, and either released after a transient failure or
+// leased by a request that has not been heard from for refundLockTimeout.
+// It returns how many it finished.
+func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
+	rows, err := a.db.QueryContext(ctx, `
+		SELECT user_id, idempotency_key, request_method, request_path, request_params
+		FROM idempotency_keys
+		WHERE recovery_point <> 'finished' AND (locked_at IS NULL OR locked_at <= ?)
+		ORDER BY created_at
+		LIMIT ?`, formatTime(a.now().Add(-refundLockTimeout)), max)
+	if err != nil {
+		return 0, fmt.Errorf("find abandoned keys: %w", err)
+	}
+	var abandoned []idempotentRequest
+	for rows.Next() {
+		var req idempotentRequest
+		if err := rows.Scan(&req.UserID, &req.IdempotencyKey, &req.Method, &req.Path, &req.CanonicalBody); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("scan abandoned key: %w", err)
+		}
+		abandoned = append(abandoned, req)
+	}
+	if err := rows.Close(); err != nil {
+		return 0, fmt.Errorf("find abandoned keys: %w", err)
+	}
+	if err := rows.Err(); err != nil {
+		return 0, fmt.Errorf("find abandoned keys: %w", err)
+	}
+
+	finished := 0
+	for _, req := range abandoned {
+		orderID, ok := orderIDFromRefundPath(req.Path)
+		if !ok {
+			return finished, fmt.Errorf("bug: unfinished idempotency key for %s %s", req.Method, req.Path)
+		}
+		refund, err := decodeRefundRequest(req.CanonicalBody)
+		if err != nil {
+			return finished, fmt.Errorf("bug: stored refund request does not decode: %w", err)
+		}
+		_, err = a.refundOrder(ctx, req, orderID, refund)
+		switch {
+		case err == nil:
+			finished++
+		case errors.Is(err, errKeyInProgress):
+			// A client's retry took it over between our query and now.
+		case errors.Is(err, errCrash):
+			return finished, err
+		default:
+			// Transient: the key was released; the next pass tries again.
+		}
+	}
+	return finished, nil
+}
