@@ -1,0 +1,137 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// Ensure the demo, run as a user runs it, passes every one of its checks.
+func TestDemo(t *testing.T) {
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"demo"}, strings.NewReader(""), &out, &out); err != nil {
+		t.Fatalf("demo failed: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "All checks passed.") {
+		t.Fatalf("demo did not finish:\n%s", out.String())
+	}
+}
+
+// Example_demo pins what the client sees in the demo, and the closing table.
+func Example_demo() {
+	var out bytes.Buffer
+	if err := runDemo(context.Background(), &out, "", nil); err != nil {
+		fmt.Println(err)
+	}
+	for _, line := range strings.Split(out.String(), "\n") {
+		line = strings.TrimSpace(line)
+		if strings.HasPrefix(line, "== ") || strings.HasPrefix(line, "-> ") || strings.HasPrefix(line, "ok: ") && !strings.Contains(line, "ord_") {
+			fmt.Println(line)
+		}
+	}
+	// Output:
+	// == 1. A first request creates the order ==
+	// -> 201 Created  Idempotent-Replayed: -
+	// == 2. The network hiccups; the client retries with the same key ==
+	// -> 201 Created  Idempotent-Replayed: true
+	// ok: replayed the first response byte for byte
+	// ok: still 1 order and 1 outbox event: prevented a duplicate order
+	// == 3. A buggy client reuses the key for a different order ==
+	// -> 422 Unprocessable Entity  Idempotent-Replayed: -
+	// ok: 422 /problems/idempotency-key-reused, and still 1 order
+	// == 4. The relay publishes OrderCreated, then crashes before marking it published ==
+	// ok: relay-1 died after publishing (simulated crash)
+	// ok: the outbox still says pending: the event is not lost
+	// ok: 1 message in the broker, 1 duplicate publish absorbed
+	// == 5. The payment service consumes OrderCreated; the broker redelivers it ==
+	// ok: message id = outbox event_id; 1 saga started, not 2
+	// == 6. The saga reserves stock, and the card charge times out ==
+	// ok: the charge exists at the processor, the saga is waiting to retry charge_card
+	// ok: saga completed, 1 charge at the processor: prevented a double charge
+	// == 7. PaymentCaptured goes out through the outbox; the order service marks the order paid ==
+	// -> 200 OK  Idempotent-Replayed: -
+	// == 8. A second order with a declined card is compensated ==
+	// -> 201 Created  Idempotent-Replayed: -
+	// ok: reserve_stock compensated, charge_card failed, confirm never ran
+	// ok: sku-2 stock is back: 1000 available, 0 reserved
+	// -> 200 OK  Idempotent-Replayed: -
+	// == 9. The customer gets a refund of the first order; the client retries that too ==
+	// -> 200 OK  Idempotent-Replayed: -
+	// -> 200 OK  Idempotent-Replayed: true
+	// ok: 1 refund of 2000 at the processor
+	// == Every effect happened once ==
+}
+
+func TestCommands(t *testing.T) {
+	// runCLI runs the command line and returns its output and error.
+	runCLI := func(t *testing.T, args ...string) (string, error) {
+		t.Helper()
+		var out bytes.Buffer
+		err := run(context.Background(), args, strings.NewReader(""), &out, &out)
+		return out.String(), err
+	}
+
+	// Ensure demo --db keeps the database, and inspect and cleanup read it.
+	// The demo's clock is in January 2026, so by the wall clock its keys
+	// have long expired and cleanup removes them.
+	t.Run("DemoKeepsItsDatabaseForInspect", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "demo.db")
+		if out, err := runCLI(t, "demo", "--db", path); err != nil {
+			t.Fatalf("demo: %v\n%s", err, out)
+		}
+		out, err := runCLI(t, "inspect", "--db", path)
+		if err != nil || !strings.Contains(out, "orders (2 rows)") || !strings.Contains(out, "processor_charges (2 rows)") {
+			t.Fatalf("inspect: %v\n%s", err, out)
+		}
+		out, err = runCLI(t, "inspect", "--db", path, "--json")
+		if err != nil || !strings.Contains(out, `"saga_steps"`) {
+			t.Fatalf("inspect --json: %v\n%s", err, out)
+		}
+		out, err = runCLI(t, "cleanup", "--db", path)
+		if err != nil || !strings.Contains(out, "deleted 3 expired idempotency keys") {
+			t.Fatalf("cleanup: %v\n%s", err, out)
+		}
+	})
+
+	// Ensure mistakes on the command line fail with a message naming them.
+	t.Run("MistakesFailClearly", func(t *testing.T) {
+		missing := filepath.Join(t.TempDir(), "missing.db")
+		existing := filepath.Join(t.TempDir(), "existing.db")
+		if err := os.WriteFile(existing, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		tests := []struct {
+			args []string
+			want string
+		}{
+			{[]string{"inspect", "--db", missing}, "no database at " + missing},
+			{[]string{"cleanup", "--db", missing}, "no database at " + missing},
+			{[]string{"demo", "--db", existing}, "already exists"},
+			{[]string{"demo", "extra"}, "unknown command"},
+			{[]string{"serve", "--addr", "not an address"}, "listen on not an address"},
+			{[]string{"bogus"}, "unknown command"},
+		}
+		for _, tt := range tests {
+			out, err := runCLI(t, tt.args...)
+			if err == nil || !strings.Contains(out, tt.want) {
+				t.Errorf("%v: got %v\n%s\nwant an error mentioning %q", tt.args, err, out, tt.want)
+			}
+		}
+		if _, err := os.Stat(missing); !os.IsNotExist(err) {
+			t.Fatalf("inspect of a missing file created it")
+		}
+	})
+
+	// Ensure a malformed RETRYSAFE_API_KEYS stops serve with a clear error.
+	t.Run("MalformedAPIKeysStopServe", func(t *testing.T) {
+		t.Setenv("RETRYSAFE_API_KEYS", "user-42")
+		out, err := runCLI(t, "serve", "--db", filepath.Join(t.TempDir(), "x.db"), "--addr", "127.0.0.1:0")
+		if err == nil || !strings.Contains(out, `RETRYSAFE_API_KEYS entry "user-42" is not user:key`) {
+			t.Fatalf("got %v\n%s", err, out)
+		}
+	})
+}

@@ -1,0 +1,225 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// testEnv is an App over a fresh database file, with a fake clock and a
+// fault switch the test flips.
+type testEnv struct {
+	app   *App
+	clock *fakeClock
+	path  string
+	fault *faultSwitch
+	ids   func(string) string
+}
+
+// faultSwitch fails at one point, a given number of times.
+type faultSwitch struct {
+	mu        sync.Mutex
+	point     faultPoint
+	err       error
+	remaining int
+	// hits counts how often each point was passed, failing or not.
+	hits map[faultPoint]int
+	// decide, if set, is asked at every point instead: the Nth pass of a
+	// point is hits[point] after counting this one.
+	decide func(point faultPoint, pass int) error
+}
+
+// hook is the faultHook that the App calls.
+func (f *faultSwitch) hook(ctx context.Context, point faultPoint) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.hits[point]++
+	if f.decide != nil {
+		return f.decide(point, f.hits[point])
+	}
+	if point == f.point && f.remaining > 0 {
+		f.remaining--
+		return f.err
+	}
+	return nil
+}
+
+// failAt makes the next times passes of point return err.
+func (f *faultSwitch) failAt(point faultPoint, err error, times int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.point, f.err, f.remaining, f.decide = point, err, times, nil
+}
+
+// set makes decide choose what every point does.
+func (f *faultSwitch) set(decide func(point faultPoint, pass int) error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.decide = decide
+}
+
+// crashAt makes the next pass of point crash.
+func (f *faultSwitch) crashAt(point faultPoint) {
+	f.failAt(point, errCrash, 1)
+}
+
+// hitCount returns how often point was passed.
+func (f *faultSwitch) hitCount(point faultPoint) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.hits[point]
+}
+
+// MustOpenApp returns a testEnv over a new database in tb's temp dir; it is
+// closed when the test ends.
+func MustOpenApp(tb testing.TB) *testEnv {
+	tb.Helper()
+	env := &testEnv{
+		clock: newFakeClock(time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)),
+		path:  filepath.Join(tb.TempDir(), "test.db"),
+		fault: &faultSwitch{hits: map[faultPoint]int{}},
+		ids:   newIDs(rand.NewChaCha8([32]byte{byte(len(tb.Name())), 't', 'e', 's', 't'})),
+	}
+	env.open(tb)
+	return env
+}
+
+// open opens the App over env.path.
+func (env *testEnv) open(tb testing.TB) {
+	tb.Helper()
+	app, err := openApp(context.Background(), env.path, env.clock.now, env.ids, env.fault.hook)
+	if err != nil {
+		tb.Fatalf("open app: %v", err)
+	}
+	env.app = app
+	tb.Cleanup(func() { app.db.Close() })
+}
+
+// restart simulates a process dying and a new one starting on the same
+// file: the database is closed (what was not committed is gone) and opened
+// again; nothing in memory survives.
+func (env *testEnv) restart(tb testing.TB) {
+	tb.Helper()
+	if err := env.app.db.Close(); err != nil {
+		tb.Fatalf("close db: %v", err)
+	}
+	env.fault.failAt("", nil, 0)
+	env.open(tb)
+}
+
+// count runs a query that returns one integer.
+func (env *testEnv) count(tb testing.TB, query string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := env.app.db.QueryRow(query, args...).Scan(&n); err != nil {
+		tb.Fatalf("%s: %v", query, err)
+	}
+	return n
+}
+
+// str runs a query that returns one string.
+func (env *testEnv) str(tb testing.TB, query string, args ...any) string {
+	tb.Helper()
+	var s sql.NullString
+	if err := env.app.db.QueryRow(query, args...).Scan(&s); err != nil {
+		tb.Fatalf("%s: %v", query, err)
+	}
+	return s.String
+}
+
+// drain runs every worker until nothing is left to do, moving the clock past
+// leases and backoffs when a pass finds nothing. It fails the test if the
+// system does not settle.
+func (env *testEnv) drain(tb testing.TB) {
+	tb.Helper()
+	ctx := context.Background()
+	idle := 0
+	for range 500 {
+		n, err := env.app.runWorkersOnce(ctx, "test-worker")
+		if err != nil {
+			tb.Fatalf("workers: %v", err)
+		}
+		if n > 0 {
+			idle = 0
+			continue
+		}
+		idle++
+		if idle == 3 {
+			return
+		}
+		env.clock.advance(2 * time.Minute)
+	}
+	tb.Fatalf("the workers did not settle")
+}
+
+// orderBody is a valid create-order body.
+func orderBody(amount int64, sku string, qty int, paymentMethod string) string {
+	return fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[{"sku":%q,"qty":%d}],"payment_method":%q}`,
+		amount, sku, qty, paymentMethod)
+}
+
+// Test API keys.
+const (
+	keyUser42         = "sk_test_a"
+	keyUser7          = "sk_test_b"
+	testWebhookSecret = "whsec_test"
+)
+
+// newTestServer serves env's API on a loopback port until the test ends.
+func newTestServer(tb testing.TB, env *testEnv) *httptest.Server {
+	tb.Helper()
+	s := &server{
+		app:           env.app,
+		apiKeys:       map[string]string{keyUser42: "user-42", keyUser7: "user-7"},
+		webhookSecret: []byte(testWebhookSecret),
+		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+	ts := httptest.NewServer(s.routes())
+	tb.Cleanup(ts.Close)
+	return ts
+}
+
+// response is what a test client saw.
+type response struct {
+	Status int
+	Header http.Header
+	Body   string
+}
+
+// call sends a request with optional body, API key and idempotency key.
+func call(tb testing.TB, ts *httptest.Server, method, path, apiKey, idempotencyKey, body string) response {
+	tb.Helper()
+	req, err := http.NewRequest(method, ts.URL+path, strings.NewReader(body))
+	if err != nil {
+		tb.Fatalf("new request: %v", err)
+	}
+	if apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+	}
+	if idempotencyKey != "" {
+		req.Header.Set("Idempotency-Key", idempotencyKey)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := ts.Client().Do(req)
+	if err != nil {
+		tb.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		tb.Fatalf("read body: %v", err)
+	}
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+}

@@ -1,0 +1,292 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+)
+
+// newOrderRequest returns the idempotentRequest and decoded order for body.
+func newOrderRequest(tb testing.TB, userID, key, body string) (idempotentRequest, orderRequest) {
+	tb.Helper()
+	canonical, err := canonicalJSON([]byte(body))
+	if err != nil {
+		tb.Fatalf("canonicalJSON: %v", err)
+	}
+	order, err := decodeOrderRequest([]byte(body))
+	if err != nil {
+		tb.Fatalf("decodeOrderRequest: %v", err)
+	}
+	return idempotentRequest{UserID: userID, IdempotencyKey: key, Method: "POST", Path: "/api/orders", CanonicalBody: canonical}, order
+}
+
+// mustCreateOrder creates an order and fails the test on error.
+func mustCreateOrder(tb testing.TB, env *testEnv, userID, key, body string) apiResponse {
+	tb.Helper()
+	req, order := newOrderRequest(tb, userID, key, body)
+	response, err := env.app.createOrder(context.Background(), req, order)
+	if err != nil {
+		tb.Fatalf("createOrder: %v", err)
+	}
+	return response
+}
+
+func TestCanonicalJSON(t *testing.T) {
+	// Ensure field order and whitespace do not change the fingerprint.
+	t.Run("EquivalentBodiesShareAFingerprint", func(t *testing.T) {
+		a, err := canonicalJSON([]byte(`{"b":1,"a":[{"y":2,"x":"s"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := canonicalJSON([]byte(" {\n\"a\" : [ {\"x\":\"s\", \"y\":2} ] ,\t\"b\":1 } "))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(a, b) {
+			t.Fatalf("got %s and %s, want equal", a, b)
+		}
+	})
+	// Ensure any change of value changes the fingerprint.
+	t.Run("DifferentBodiesDiffer", func(t *testing.T) {
+		bodies := []string{`{"a":1}`, `{"a":2}`, `{"a":"1"}`, `{"a":1.0}`, `{"a":[1]}`, `{"b":1}`, `{"a":1,"b":null}`}
+		seen := map[string]string{}
+		for _, body := range bodies {
+			canonical, err := canonicalJSON([]byte(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if other, dup := seen[string(canonical)]; dup {
+				t.Fatalf("%s and %s canonicalize alike: %s", body, other, canonical)
+			}
+			seen[string(canonical)] = body
+		}
+	})
+	// Ensure bodies that are not exactly one valid UTF-8 JSON value are refused.
+	t.Run("RejectsInvalidBodies", func(t *testing.T) {
+		for _, body := range []string{"", "{", `{"a":1} {"a":2}`, "{\"a\":\"\xff\"}", "nul"} {
+			if got, err := canonicalJSON([]byte(body)); err == nil {
+				t.Errorf("canonicalJSON(%q) = %s, want an error", body, got)
+			}
+		}
+	})
+	// Ensure method and path are part of the fingerprint.
+	t.Run("FingerprintCoversMethodAndPath", func(t *testing.T) {
+		base := idempotentRequest{Method: "POST", Path: "/api/orders", CanonicalBody: []byte(`{}`)}
+		otherPath := base
+		otherPath.Path = "/api/orders/x/refund"
+		otherMethod := base
+		otherMethod.Method = "PUT"
+		if base.fingerprint() == otherPath.fingerprint() || base.fingerprint() == otherMethod.fingerprint() {
+			t.Fatal("fingerprint ignores method or path")
+		}
+	})
+}
+
+func TestIdempotency(t *testing.T) {
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+
+	// Ensure a retry with the same key returns the first order and writes nothing.
+	t.Run("RetryReturnsSameOrder", func(t *testing.T) {
+		env := MustOpenApp(t)
+		first := mustCreateOrder(t, env, "user-42", "k1", body)
+		second := mustCreateOrder(t, env, "user-42", "k1", body)
+		if first.Replayed || !second.Replayed {
+			t.Fatalf("got replayed %v then %v, want false then true", first.Replayed, second.Replayed)
+		}
+		if !bytes.Equal(first.Body, second.Body) || second.Status != 201 || second.Location != first.Location {
+			t.Fatalf("got %d %s, want the first response %d %s", second.Status, second.Body, first.Status, first.Body)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+			t.Fatalf("got %d orders, want 1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 1 {
+			t.Fatalf("got %d outbox events, want 1", got)
+		}
+	})
+
+	// Ensure a key reused for another request is rejected and does nothing.
+	t.Run("KeyReusedWithAnotherBodyIsRejected", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", body)
+		req, order := newOrderRequest(t, "user-42", "k1", orderBody(9900, "sku-1", 2, pmCardVisa))
+		_, err := env.app.createOrder(context.Background(), req, order)
+		if !errors.Is(err, errKeyReused) {
+			t.Fatalf("got %v, want errKeyReused", err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+			t.Fatalf("got %d orders, want 1", got)
+		}
+	})
+
+	// Ensure one user's key never replays another user's response.
+	t.Run("KeysAreScopedToTheCaller", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mine := mustCreateOrder(t, env, "user-42", "shared-key", body)
+		theirs := mustCreateOrder(t, env, "user-7", "shared-key", body)
+		if theirs.Replayed || bytes.Equal(mine.Body, theirs.Body) {
+			t.Fatalf("user-7 got user-42's response: %s", theirs.Body)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE user_id = 'user-7'`); got != 1 {
+			t.Fatalf("got %d orders for user-7, want 1", got)
+		}
+	})
+
+	// Ensure expires_at is read: within 24h a key replays, after it runs anew.
+	t.Run("ExpiredKeyNoLongerReplays", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", body)
+		env.clock.advance(idempotencyKeyTTL - time.Second)
+		if !mustCreateOrder(t, env, "user-42", "k1", body).Replayed {
+			t.Fatal("a key younger than its TTL did not replay")
+		}
+		env.clock.advance(2 * time.Second)
+		if mustCreateOrder(t, env, "user-42", "k1", body).Replayed {
+			t.Fatal("an expired key replayed")
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 2 {
+			t.Fatalf("got %d orders, want 2 (the key expired between them)", got)
+		}
+	})
+
+	// Ensure a crash between claiming the key and storing the response
+	// leaves neither a stuck key nor a half-made order: the retry does the
+	// work once.
+	for _, point := range []faultPoint{faultAfterKeyClaim, faultAfterBusinessWrite} {
+		t.Run("CrashAt_"+string(point)+"_RetryRunsOnce", func(t *testing.T) {
+			env := MustOpenApp(t)
+			env.fault.crashAt(point)
+			req, order := newOrderRequest(t, "user-42", "k1", body)
+			if _, err := env.app.createOrder(context.Background(), req, order); !errors.Is(err, errCrash) {
+				t.Fatalf("got %v, want the crash", err)
+			}
+			env.restart(t)
+			if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys`); got != 0 {
+				t.Fatalf("got %d keys after the crash, want 0", got)
+			}
+			retry := mustCreateOrder(t, env, "user-42", "k1", body)
+			if retry.Status != 201 || retry.Replayed {
+				t.Fatalf("got %d replayed=%v, want a fresh 201", retry.Status, retry.Replayed)
+			}
+			if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+				t.Fatalf("got %d orders, want 1", got)
+			}
+			if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys WHERE status = 'processing'`); got != 0 {
+				t.Fatalf("got %d keys stuck in processing", got)
+			}
+		})
+	}
+
+	// Ensure a transient failure stores nothing: the key stays free and the
+	// retry does the work once (the sample stored every exception as a
+	// permanent 500).
+	t.Run("TransientFailureLeavesKeyFree", func(t *testing.T) {
+		env := MustOpenApp(t)
+		env.fault.failAt(faultAfterBusinessWrite, errors.New("disk I/O error"), 1)
+		req, order := newOrderRequest(t, "user-42", "k1", body)
+		if _, err := env.app.createOrder(context.Background(), req, order); err == nil {
+			t.Fatal("got no error, want the transient failure")
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys`); got != 0 {
+			t.Fatalf("got %d keys stored for a transient failure, want 0", got)
+		}
+		if retry := mustCreateOrder(t, env, "user-42", "k1", body); retry.Status != 201 || retry.Replayed {
+			t.Fatalf("got %d replayed=%v, want a fresh 201", retry.Status, retry.Replayed)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+			t.Fatalf("got %d orders, want 1", got)
+		}
+	})
+
+	// Ensure a panic in the middle of the work stores nothing.
+	t.Run("PanicStoresNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		env.app.fault = func(ctx context.Context, point faultPoint) error {
+			if point == faultAfterBusinessWrite {
+				panic("boom")
+			}
+			return nil
+		}
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Fatal("no panic")
+				}
+			}()
+			req, order := newOrderRequest(t, "user-42", "k1", body)
+			env.app.createOrder(context.Background(), req, order)
+		}()
+		if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys`) + env.count(t, `SELECT COUNT(*) FROM orders`); got != 0 {
+			t.Fatalf("got %d rows after a panic, want 0", got)
+		}
+	})
+
+	// Ensure concurrent requests with one key make one order and all get
+	// its response.
+	t.Run("ConcurrentDuplicatesWaitAndReplay", func(t *testing.T) {
+		env := MustOpenApp(t)
+		const n = 20
+		responses := make([]apiResponse, n)
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req, order := newOrderRequest(t, "user-42", "k1", body)
+				responses[i], errs[i] = env.app.createOrder(context.Background(), req, order)
+			}()
+		}
+		wg.Wait()
+		fresh := 0
+		for i := range n {
+			if errs[i] != nil {
+				t.Fatalf("request %d: %v", i, errs[i])
+			}
+			if !bytes.Equal(responses[i].Body, responses[0].Body) {
+				t.Fatalf("request %d got %s, want %s", i, responses[i].Body, responses[0].Body)
+			}
+			if !responses[i].Replayed {
+				fresh++
+			}
+		}
+		if fresh != 1 {
+			t.Fatalf("got %d fresh responses, want 1", fresh)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+			t.Fatalf("got %d orders, want 1", got)
+		}
+	})
+}
+
+func TestCleanup(t *testing.T) {
+	// Ensure cleanup deletes expired finished keys in batches, keeps live
+	// ones, and keeps an unfinished refund key its completer still needs.
+	t.Run("DeletesExpiredKeys", func(t *testing.T) {
+		env := MustOpenApp(t)
+		const expired = cleanupBatchSize + 20
+		for i := range expired {
+			mustCreateOrder(t, env, "user-42", fmt.Sprintf("old-%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+		}
+		_, err := env.app.db.Exec(`UPDATE idempotency_keys SET recovery_point = 'started', status = 'processing' WHERE idempotency_key = 'old-0'`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(idempotencyKeyTTL + time.Minute)
+		mustCreateOrder(t, env, "user-42", "new", orderBody(100, "sku-1", 1, pmCardVisa))
+
+		result, err := env.app.cleanupOnce(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if result.Keys != expired-1 {
+			t.Fatalf("deleted %d keys, want %d", result.Keys, expired-1)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys`); got != 2 {
+			t.Fatalf("got %d keys left, want 2 (the live one and the unfinished one)", got)
+		}
+	})
+}

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+)
+
+func TestOutbox(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure the order and its event are written together, and a rolled back
+	// order leaves no event behind.
+	t.Run("EventCommitsWithTheOrder", func(t *testing.T) {
+		env := MustOpenApp(t)
+		env.fault.failAt(faultAfterBusinessWrite, errors.New("rolled back"), 1)
+		req, order := newOrderRequest(t, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.createOrder(ctx, req, order); err == nil {
+			t.Fatal("want an error")
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 0 {
+			t.Fatalf("got %d events for an order that never was", got)
+		}
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events e JOIN orders o ON o.order_id = e.aggregate_id`); got != 1 {
+			t.Fatalf("got %d events for the order, want 1", got)
+		}
+	})
+
+	// Ensure the relay publishes with the event id as message id and marks
+	// the events published.
+	t.Run("RelayPublishesAndMarks", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		published, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize)
+		if err != nil || published != 1 {
+			t.Fatalf("got %d, %v, want 1 published", published, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events e JOIN broker_messages m ON m.message_id = e.event_id WHERE e.status = 'published'`); got != 1 {
+			t.Fatalf("got %d published events in the broker under their event id, want 1", got)
+		}
+		if again, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || again != 0 {
+			t.Fatalf("second sweep published %d, %v, want 0", again, err)
+		}
+	})
+
+	// Ensure a relay that crashes after publishing and before marking
+	// publishes again after its lease, and the broker stores one message.
+	t.Run("CrashAfterPublishRepublishes", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		env.fault.crashAt(faultAfterPublish)
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); !errors.Is(err, errCrash) {
+			t.Fatalf("got %v, want the crash", err)
+		}
+		env.restart(t)
+		if n, _ := env.app.relayOnce(ctx, "relay-2", relayBatchSize); n != 0 {
+			t.Fatalf("relay-2 published %d events still leased to relay-1", n)
+		}
+		env.clock.advance(relayLease)
+		if n, err := env.app.relayOnce(ctx, "relay-2", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("got %d, %v, want 1 republished", n, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM broker_messages WHERE duplicates = 1`); got != 1 {
+			t.Fatalf("got %d messages with one absorbed duplicate, want 1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM broker_deliveries`); got != 1 {
+			t.Fatalf("got %d deliveries queued, want 1", got)
+		}
+	})
+
+	// Ensure two relays sweeping together never publish one event twice (the
+	// sample published without claiming).
+	t.Run("TwoRelaysNeverPublishTheSameEvent", func(t *testing.T) {
+		env := MustOpenApp(t)
+		const orders = 60
+		for i := range orders {
+			mustCreateOrder(t, env, "user-42", fmt.Sprintf("k%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+		}
+		var wg sync.WaitGroup
+		counts := make([]int, 2)
+		for r := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					n, err := env.app.relayOnce(ctx, fmt.Sprintf("relay-%d", r), 8)
+					if err != nil {
+						t.Errorf("relay-%d: %v", r, err)
+						return
+					}
+					if n == 0 {
+						return
+					}
+					counts[r] += n
+				}
+			}()
+		}
+		wg.Wait()
+		if counts[0]+counts[1] != orders {
+			t.Fatalf("relays published %d + %d, want %d in all", counts[0], counts[1], orders)
+		}
+		if got := env.count(t, `SELECT COALESCE(SUM(duplicates), 0) FROM broker_messages`); got != 0 {
+			t.Fatalf("got %d duplicate publishes, want 0", got)
+		}
+	})
+
+	// Ensure a failing publish is retried with backoff, then marked failed and
+	// kept, never dropped.
+	t.Run("FailingPublishIsRetriedThenMarkedFailed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		env.fault.failAt(faultPublish, errors.New("broker unreachable"), maxPublishAttempts)
+		for attempt := 1; attempt <= maxPublishAttempts; attempt++ {
+			if n, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+				t.Fatalf("attempt %d: got %d, %v", attempt, n, err)
+			}
+			if n, _ := env.app.relayOnce(ctx, "relay-1", relayBatchSize); n != 0 {
+				t.Fatalf("attempt %d: retried before its backoff", attempt)
+			}
+			env.clock.advance(relayBackoff(attempt))
+		}
+		if got := env.str(t, `SELECT status || ':' || attempts || ':' || last_error FROM outbox_events`); got != "failed:10:broker unreachable" {
+			t.Fatalf("got %s, want failed:10:broker unreachable", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM broker_messages`); got != 0 {
+			t.Fatalf("got %d messages, want 0", got)
+		}
+	})
+
+	// Ensure events of one order go out in the order they were written, even
+	// when the first one has to be retried.
+	t.Run("EventsOfOneOrderStayInOrder", func(t *testing.T) {
+		env := MustOpenApp(t)
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			for i := range 3 {
+				event, err := env.app.newOutboxEvent(fmt.Sprintf("Step%d", i), "ord_1", map[string]int{"i": i})
+				if err != nil {
+					return err
+				}
+				if err := insertOutboxEvent(ctx, tx, event, env.clock.now()); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.fault.failAt(faultPublish, errors.New("broker unreachable"), 1)
+		for range 10 {
+			if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+				t.Fatal(err)
+			}
+			env.clock.advance(relayBackoff(1))
+		}
+		rows, err := env.app.db.Query(`SELECT subject FROM broker_messages ORDER BY seq`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var got []string
+		for rows.Next() {
+			var subject string
+			if err := rows.Scan(&subject); err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, subject)
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(got) != "[Step0 Step1 Step2]" {
+			t.Fatalf("published %v, want [Step0 Step1 Step2]", got)
+		}
+	})
+}

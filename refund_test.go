@@ -1,0 +1,235 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// paidOrderOverHTTP creates an order for user-42 over HTTP, runs the workers
+// until it is paid, and returns its id.
+func paidOrderOverHTTP(tb testing.TB, env *testEnv, ts *httptest.Server, amount int64) string {
+	tb.Helper()
+	created := call(tb, ts, "POST", "/api/orders", keyUser42, "order-key", orderBody(amount, "sku-1", 1, pmCardVisa))
+	if created.Status != 201 {
+		tb.Fatalf("create: %d %s", created.Status, created.Body)
+	}
+	env.drain(tb)
+	return orderField([]byte(created.Body), "order_id")
+}
+
+func TestHTTPRefund(t *testing.T) {
+	// Ensure a refund is made once, replayed on retry, and the order follows.
+	t.Run("RefundIsMadeOnceAndReplayed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		first := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":2000}`)
+		again := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":2000}`)
+		if first.Status != 200 || again.Status != 200 || again.Body != first.Body || again.Header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("got %d then %d %q", first.Status, again.Status, again.Header.Get("Idempotent-Replayed"))
+		}
+		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM processor_refunds`); got != "1:2000" {
+			t.Fatalf("processor refunds count:sum %s, want 1:2000", got)
+		}
+		// An empty body refunds what remains, and the order becomes refunded.
+		rest := call(t, ts, "POST", refundPath(orderID), keyUser42, "r2", "")
+		if rest.Status != 200 || env.str(t, `SELECT status || ':' || refunded_cents FROM orders`) != "refunded:5000" {
+			t.Fatalf("full refund got %d %s", rest.Status, rest.Body)
+		}
+	})
+
+	// Ensure refusals are definitive: stored on the key and replayed.
+	t.Run("RefusalsAreStored", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		unpaid := call(t, ts, "POST", "/api/orders", keyUser42, "unpaid", orderBody(100, "sku-1", 1, pmCardVisa))
+		notPaid := call(t, ts, "POST", refundPath(orderField([]byte(unpaid.Body), "order_id")), keyUser42, "r0", "")
+		if notPaid.Status != 409 || problemTypeOf(t, notPaid) != problemOrderNotRefundable {
+			t.Fatalf("refund of an unpaid order got %d %s, want 409", notPaid.Status, notPaid.Body)
+		}
+
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		tooMuch := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":5001}`)
+		if tooMuch.Status != 422 || problemTypeOf(t, tooMuch) != problemRefundTooLarge {
+			t.Fatalf("refund of too much got %d %s, want 422", tooMuch.Status, tooMuch.Body)
+		}
+		replayed := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":5001}`)
+		if replayed.Status != 422 || replayed.Header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("the refusal was not replayed: %d %q", replayed.Status, replayed.Header.Get("Idempotent-Replayed"))
+		}
+		otherUser := call(t, ts, "POST", refundPath(orderID), keyUser7, "r1", "")
+		if otherUser.Status != 404 {
+			t.Fatalf("another user's refund got %d, want 404", otherUser.Status)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 0 {
+			t.Fatalf("got %d refunds, want 0", got)
+		}
+	})
+
+	// Ensure a crash at each recovery point, then a retry, resumes there and
+	// refunds once; while the dead request's lease is fresh, a retry gets
+	// 409 with Retry-After.
+	for _, point := range []faultPoint{faultRefundStarted, faultRefundAfterProcessor} {
+		t.Run("CrashAt_"+string(point)+"_ResumesAfterLease", func(t *testing.T) {
+			env := MustOpenApp(t)
+			ts := newTestServer(t, env)
+			orderID := paidOrderOverHTTP(t, env, ts, 5000)
+			env.fault.crashAt(point)
+			req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+			if _, err := env.app.refundOrder(context.Background(), req, orderID, refund); !errors.Is(err, errCrash) {
+				t.Fatalf("got %v, want the crash", err)
+			}
+			env.restart(t)
+			ts = newTestServer(t, env)
+
+			busy := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":2000}`)
+			if busy.Status != 409 || busy.Header.Get("Retry-After") == "" || problemTypeOf(t, busy) != problemKeyInProgress {
+				t.Fatalf("retry within the lease got %d %q %s, want 409 with Retry-After", busy.Status, busy.Header.Get("Retry-After"), busy.Body)
+			}
+			env.clock.advance(refundLockTimeout)
+			retry := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":2000}`)
+			if retry.Status != 200 {
+				t.Fatalf("retry after the lease got %d %s", retry.Status, retry.Body)
+			}
+			if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM processor_refunds`); got != "1:2000" {
+				t.Fatalf("processor refunds count:sum %s, want 1:2000", got)
+			}
+			if got := env.count(t, `SELECT refunded_cents FROM orders`); got != 2000 {
+				t.Fatalf("order refunded_cents %d, want 2000", got)
+			}
+		})
+	}
+
+	// Ensure a lost processor response releases the key: the retry resumes
+	// at once and refunds once.
+	t.Run("LostProcessorResponseIsRetriable", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		env.fault.failAt(faultProcessorLoseResponse, errors.New("connection reset"), 1)
+		lost := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", "")
+		if lost.Status != 503 || lost.Header.Get("Retry-After") == "" || problemTypeOf(t, lost) != problemUnavailable {
+			t.Fatalf("got %d %s, want 503 with Retry-After", lost.Status, lost.Body)
+		}
+		retry := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", "")
+		if retry.Status != 200 || env.count(t, `SELECT COUNT(*) FROM processor_refunds`) != 1 {
+			t.Fatalf("retry got %d %s", retry.Status, retry.Body)
+		}
+	})
+
+	// Ensure the completer finishes a refund whose client never came back,
+	// and the client's late retry replays its result.
+	t.Run("CompleterFinishesAbandonedRefund", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		env.fault.crashAt(faultRefundAfterProcessor)
+		req, refund := refundRequestFor(t, orderID, "r1", "")
+		if _, err := env.app.refundOrder(context.Background(), req, orderID, refund); !errors.Is(err, errCrash) {
+			t.Fatalf("got %v, want the crash", err)
+		}
+		env.restart(t)
+		if n, err := env.app.completeRefundsOnce(context.Background(), 10); err != nil || n != 0 {
+			t.Fatalf("completer took a leased key: %d, %v", n, err)
+		}
+		env.clock.advance(refundLockTimeout)
+		if n, err := env.app.completeRefundsOnce(context.Background(), 10); err != nil || n != 1 {
+			t.Fatalf("completer finished %d, %v; want 1", n, err)
+		}
+		ts = newTestServer(t, env)
+		late := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", "")
+		if late.Status != 200 || late.Header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("late retry got %d %q", late.Status, late.Header.Get("Idempotent-Replayed"))
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "refunded:5000" {
+			t.Fatalf("order %s, want refunded:5000", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 1 {
+			t.Fatalf("got %d refunds, want 1", got)
+		}
+	})
+}
+
+// refundRequestFor builds a refund request of user-42 for direct calls.
+func refundRequestFor(tb testing.TB, orderID, key, body string) (idempotentRequest, refundRequest) {
+	tb.Helper()
+	if body == "" {
+		body = "{}"
+	}
+	canonical, err := canonicalJSON([]byte(body))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	refund, err := decodeRefundRequest([]byte(body))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return idempotentRequest{UserID: "user-42", IdempotencyKey: key, Method: "POST", Path: refundPath(orderID), CanonicalBody: canonical}, refund
+}
+
+// postWebhook sends a processor webhook with the given signature header.
+func postWebhook(tb testing.TB, ts *httptest.Server, body []byte, signature string) response {
+	tb.Helper()
+	req, err := http.NewRequest("POST", ts.URL+"/webhooks/processor", strings.NewReader(string(body)))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if signature != "" {
+		req.Header.Set(signatureHeader, signature)
+	}
+	resp, err := ts.Client().Do(req)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+}
+
+func TestHTTPWebhook(t *testing.T) {
+	// Ensure a refund made at the processor's dashboard, announced twice,
+	// changes the order once; a bad or stale signature changes nothing.
+	t.Run("DeliveredTwiceAppliedOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		chargeID := env.str(t, `SELECT charge_id FROM orders WHERE order_id = ?`, orderID)
+		refundID, err := env.app.processor.refund(context.Background(), "dashboard-1", chargeID, 1500)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := chargeRefundedEvent("evt_processor_1", chargeID, refundID, 1500)
+		secret := []byte(testWebhookSecret)
+
+		forged := postWebhook(t, ts, body, signWebhook([]byte("wrong secret"), env.clock.now(), body))
+		stale := postWebhook(t, ts, body, signWebhook(secret, env.clock.now().Add(-webhookTolerance-time.Second), body))
+		unsigned := postWebhook(t, ts, body, "")
+		for name, r := range map[string]response{"forged": forged, "stale": stale, "unsigned": unsigned} {
+			if r.Status != 400 || problemTypeOf(t, r) != problemBadSignature {
+				t.Fatalf("%s webhook got %d %s, want 400 bad signature", name, r.Status, r.Body)
+			}
+		}
+		if got := env.count(t, `SELECT refunded_cents FROM orders`); got != 0 {
+			t.Fatalf("a rejected webhook changed the order: refunded_cents %d", got)
+		}
+
+		first := postWebhook(t, ts, body, signWebhook(secret, env.clock.now(), body))
+		second := postWebhook(t, ts, body, signWebhook(secret, env.clock.now(), body))
+		if first.Status != 200 || !strings.Contains(first.Body, `"applied"`) || second.Status != 200 || !strings.Contains(second.Body, `"duplicate"`) {
+			t.Fatalf("got %d %s then %d %s, want applied then duplicate", first.Status, first.Body, second.Status, second.Body)
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
+			t.Fatalf("order %s, want paid:1500", got)
+		}
+	})
+}

@@ -1,0 +1,246 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"testing"
+)
+
+// createAndDrain creates an order and runs every worker until quiet. It
+// returns the order id.
+func createAndDrain(tb testing.TB, env *testEnv, key, body string) string {
+	tb.Helper()
+	response := mustCreateOrder(tb, env, "user-42", key, body)
+	orderID := orderField(response.Body, "order_id")
+	env.drain(tb)
+	return orderID
+}
+
+// sagaSteps returns "name=status ..." for the order's saga.
+func sagaSteps(tb testing.TB, env *testEnv, orderID string) string {
+	tb.Helper()
+	return env.str(tb, `
+		SELECT s.status || ': ' || GROUP_CONCAT(st.step_name || '=' || st.status, ' ')
+		FROM saga_instances s JOIN saga_steps st ON st.saga_id = s.saga_id
+		WHERE s.order_id = ? GROUP BY s.saga_id`, orderID)
+}
+
+// stockOf returns "available/reserved/sold" of a sku.
+func stockOf(tb testing.TB, env *testEnv, sku string) string {
+	tb.Helper()
+	return env.str(tb, `SELECT available || '/' || reserved || '/' || sold FROM stock_items WHERE sku = ?`, sku)
+}
+
+// failConfirm makes the confirm step fail for a business reason, so a saga
+// that has charged the card must refund it; then also applies then.
+func failConfirm(env *testEnv, then func(point faultPoint, pass int) error) {
+	env.fault.set(func(point faultPoint, pass int) error {
+		// The first pass of faultAfterStepEffect is reserve_stock, the second
+		// is confirm.
+		if point == faultAfterStepEffect && pass == 2 {
+			return permanent(errors.New("warehouse rejected the shipment"))
+		}
+		if then != nil {
+			return then(point, pass)
+		}
+		return nil
+	})
+}
+
+func TestSaga(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a good card ends with the order paid, the stock sold and one
+	// charge; PaymentCaptured is relayed and consumed (the sample wrote it
+	// and nobody read it).
+	t.Run("PaidOrderIsCharged", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		if got := sagaSteps(t, env, orderID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderPaid {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if got := env.count(t, `
+			SELECT COUNT(*) FROM inbox_messages i JOIN outbox_events e ON e.event_id = i.message_id
+			WHERE i.consumer = 'order-svc' AND e.event_type = 'PaymentCaptured' AND i.status = 'done'`); got != 1 {
+			t.Fatalf("PaymentCaptured applied %d times by the order service, want 1", got)
+		}
+		if got := stockOf(t, env, "sku-1"); got != "998/0/2" {
+			t.Fatalf("sku-1 stock %s, want 998/0/2", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ? AND status = 'succeeded' AND amount_cents = 5000`, orderID); got != 1 {
+			t.Fatalf("got %d charges, want 1", got)
+		}
+	})
+
+	// Ensure a charge whose response is lost is retried with the same key
+	// and charges once.
+	t.Run("TimeoutChargesOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardTimeout))
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderPaid {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(key_hits) FROM processor_charges`); got != "1:1" {
+			t.Fatalf("charges:key hits = %s, want 1:1", got)
+		}
+	})
+
+	// Ensure a declined card undoes only the steps that ran: the stock comes
+	// back, nothing is refunded, and the order ends cancelled, not paid.
+	t.Run("DeclinedCardCompensatesOnlyStepsThatRan", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(1200, "sku-2", 3, pmCardDeclined))
+		if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=compensated charge_card=failed confirm=pending" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := stockOf(t, env, "sku-2"); got != "1000/0/0" {
+			t.Fatalf("sku-2 stock %s, want 1000/0/0", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 0 {
+			t.Fatalf("refunded %d times a charge that never happened", got)
+		}
+		if got := env.str(t, `SELECT status || ':' || cancel_reason FROM orders WHERE order_id = ?`, orderID); got != "cancelled:card declined" {
+			t.Fatalf("order %s, want cancelled:card declined", got)
+		}
+	})
+
+	// Ensure too little stock cancels the order without charging.
+	t.Run("OutOfStockCancelsWithoutCharging", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(1200, "sku-rare", 2, pmCardVisa))
+		if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=failed charge_card=pending confirm=pending" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges`); got != 0 {
+			t.Fatalf("charged %d times", got)
+		}
+		if got := stockOf(t, env, "sku-rare"); got != "1/0/0" {
+			t.Fatalf("sku-rare stock %s, want 1/0/0", got)
+		}
+	})
+
+	// Ensure a failure after the charge refunds it and releases the stock, in
+	// reverse order, and cancels the order.
+	t.Run("LateFailureRefundsAndReleases", func(t *testing.T) {
+		env := MustOpenApp(t)
+		failConfirm(env, nil)
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=compensated charge_card=compensated confirm=failed" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.str(t, `SELECT amount_cents || ':' || refunded_cents FROM processor_charges`); got != "5000:5000" {
+			t.Fatalf("charge captured:refunded = %s, want 5000:5000", got)
+		}
+		if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
+			t.Fatalf("sku-1 stock %s, want 1000/0/0", got)
+		}
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderCancelled {
+			t.Fatalf("order is %s, want cancelled", got)
+		}
+	})
+
+	// Ensure a crash anywhere in the compensation, then a resume, undoes
+	// each step exactly once (the sample ran a compensation before recording
+	// it).
+	for _, point := range []faultPoint{faultBeforeProcessorCall, faultAfterProcessorCall, faultMidCompensation, faultAfterStepEffect} {
+		t.Run("CrashMidCompensationAt_"+string(point), func(t *testing.T) {
+			env := MustOpenApp(t)
+			compensating := false
+			failConfirm(env, func(p faultPoint, pass int) error {
+				if p == faultMidCompensation {
+					compensating = true
+				}
+				// faultBeforeProcessorCall and faultAfterProcessorCall pass once
+				// for the charge, then for the refund; faultAfterStepEffect a
+				// third time for the release; faultMidCompensation first after
+				// the refund.
+				crashPass := map[faultPoint]int{faultBeforeProcessorCall: 2, faultAfterProcessorCall: 2, faultMidCompensation: 1, faultAfterStepEffect: 3}
+				if p == point && pass == crashPass[point] {
+					return errCrash
+				}
+				return nil
+			})
+			mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+			var crashed bool
+			for range 20 {
+				_, err := env.app.runWorkersOnce(ctx, "worker-1")
+				if errors.Is(err, errCrash) {
+					crashed = true
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !crashed {
+				t.Fatalf("never crashed at %s (compensating=%v)", point, compensating)
+			}
+			env.restart(t)
+			env.drain(t)
+			if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
+				t.Fatalf("sku-1 stock %s, want 1000/0/0", got)
+			}
+			if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM processor_refunds`); got != "1:5000" {
+				t.Fatalf("refunds count:sum = %s, want 1:5000", got)
+			}
+			if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'cancelled'`); got != 1 {
+				t.Fatal("order not cancelled")
+			}
+		})
+	}
+
+	// Ensure a compensation that keeps failing is retried, then leaves the
+	// saga compensation_failed for an operator instead of looping.
+	t.Run("CompensationThatKeepsFailingIsSurfaced", func(t *testing.T) {
+		env := MustOpenApp(t)
+		failConfirm(env, func(p faultPoint, pass int) error {
+			// The first response (the charge's) arrives; every refund's is lost.
+			if p == faultProcessorLoseResponse && pass >= 2 {
+				return errors.New("connection reset")
+			}
+			return nil
+		})
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		if got := sagaSteps(t, env, orderID); got != "compensation_failed: reserve_stock=done charge_card=done confirm=failed" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.count(t, `SELECT attempts FROM saga_instances`); got != maxCompensationAttempts {
+			t.Fatalf("tried %d times, want %d", got, maxCompensationAttempts)
+		}
+		// Every attempt used one key: the processor refunded once.
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 1 {
+			t.Fatalf("got %d refunds, want 1", got)
+		}
+	})
+
+	// Ensure a saga whose worker died is resumed by another after the lease,
+	// and charges once.
+	t.Run("RecoveryResumesAfterWorkerDied", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		env.fault.crashAt(faultAfterProcessorCall)
+		for range 10 {
+			if _, err := env.app.runWorkersOnce(ctx, "worker-1"); errors.Is(err, errCrash) {
+				break
+			}
+		}
+		env.restart(t)
+		if n, err := env.app.sagaOnce(ctx, "worker-2", 10); err != nil || n != 0 {
+			t.Fatalf("worker-2 took a saga still leased to worker-1 (%d, %v)", n, err)
+		}
+		env.clock.advance(sagaLease)
+		if n, err := env.app.sagaOnce(ctx, "worker-2", 10); err != nil || n != 1 {
+			t.Fatalf("got %d, %v, want worker-2 to resume 1 saga", n, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(key_hits) FROM processor_charges`); got != "1:1" {
+			t.Fatalf("charges:key hits = %s, want 1:1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'paid'`); got != 1 {
+			t.Fatal("order not paid")
+		}
+	})
+}
