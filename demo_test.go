@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // Ensure the demo, run as a user runs it, passes every one of its checks.
@@ -123,6 +124,19 @@ func TestCommands(t *testing.T) {
 		}
 		if _, err := os.Stat(missing); !os.IsNotExist(err) {
 			t.Fatalf("inspect of a missing file created it")
+		}
+	})
+
+	// Ensure sign-webhook signs the way the server checks.
+	t.Run("SignWebhookMatchesTheServer", func(t *testing.T) {
+		t.Setenv("RETRYSAFE_WEBHOOK_SECRET", "whsec_cli")
+		body := `{"id":"evt_1","type":"charge.refunded"}`
+		out, err := runCLI(t, "sign-webhook", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := verifyWebhook([]byte("whsec_cli"), strings.TrimSpace(out), []byte(body), time.Now()); err != nil {
+			t.Fatalf("the server rejects %q: %v", out, err)
 		}
 	})
 

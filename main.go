@@ -12,6 +12,7 @@
 //	retrysafe worker    run only the consumers, sagas and completers
 //	retrysafe inspect   print the tables
 //	retrysafe cleanup   delete expired keys and old delivered messages
+//	retrysafe sign-webhook BODY   print the signature header for a webhook
 package main
 
 import (
@@ -66,6 +67,7 @@ func newRootCommand() *cobra.Command {
 		newWorkerCommand(),
 		newInspectCommand(),
 		newCleanupCommand(),
+		newSignWebhookCommand(),
 	)
 	return root
 }
@@ -357,5 +359,25 @@ func newCleanupCommand() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	return cmd
+}
+
+// newSignWebhookCommand builds "retrysafe sign-webhook", which plays the
+// processor's part in the curl walkthrough: it prints the Retrysafe-Signature
+// header value for a body, signed now.
+func newSignWebhookCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "sign-webhook BODY",
+		Short: "Print the Retrysafe-Signature header value for a webhook body, signed now",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			secret := os.Getenv("RETRYSAFE_WEBHOOK_SECRET")
+			if secret == "" {
+				secret = devWebhookSecret
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), signWebhook([]byte(secret), time.Now(), []byte(args[0])))
+			return nil
+		},
+	}
 	return cmd
 }

@@ -56,10 +56,11 @@ func decodeRefundRequest(body []byte) (refundRequest, error) {
 
 // refundView is the answer of a successful refund.
 type refundView struct {
-	RefundID    string    `json:"refund_id"`
-	AmountCents int64     `json:"amount_cents"`
-	Status      string    `json:"status"`
-	Order       orderView `json:"order"`
+	RefundID          string    `json:"refund_id"`
+	ProcessorRefundID string    `json:"processor_refund_id"`
+	AmountCents       int64     `json:"amount_cents"`
+	Status            string    `json:"status"`
+	Order             orderView `json:"order"`
 }
 
 // refundPath returns the API path that refunds orderID.
@@ -314,7 +315,7 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, o
 		if err != nil {
 			return err
 		}
-		body, err := json.Marshal(refundView{RefundID: refundID, AmountCents: amount, Status: "succeeded", Order: updated.view()})
+		body, err := json.Marshal(refundView{RefundID: refundID, ProcessorRefundID: processorRefundID, AmountCents: amount, Status: "succeeded", Order: updated.view()})
 		if err != nil {
 			return fmt.Errorf("encode refund: %w", err)
 		}
