@@ -52,6 +52,25 @@ const (
 	refundLockTimeout = 90 * time.Second
 )
 
+// leaseTimes are how long a worker owns what it claimed. Production uses
+// scaledLeaseTimes(1): the constants above. The chaos run shortens them all
+// by one factor, so that the work of a killed process is taken over within
+// seconds and a run takes a minute instead of ten.
+type leaseTimes struct {
+	relay, ackWait, saga, refundLock time.Duration
+}
+
+// scaledLeaseTimes returns the lease constants multiplied by scale.
+func scaledLeaseTimes(scale float64) leaseTimes {
+	scaled := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+	return leaseTimes{
+		relay:      scaled(relayLease),
+		ackWait:    scaled(ackWait),
+		saga:       scaled(sagaLease),
+		refundLock: scaled(refundLockTimeout),
+	}
+}
+
 // App holds what every layer shares. Its function fields are the test seams:
 // tests and the demo pass a fixed clock, predictable ids and a fault hook.
 type App struct {
@@ -65,6 +84,8 @@ type App struct {
 	newID func(prefix string) string
 	// fault is called at every faultPoint; nil in production.
 	fault faultHook
+	// leases are the lease durations; see leaseTimes.
+	leases leaseTimes
 }
 
 // newApp returns an App over db. clock, ids and fault may be nil for the
@@ -76,14 +97,22 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	if ids == nil {
 		ids = newIDs(rand.Reader)
 	}
+	leases := scaledLeaseTimes(1)
 	return &App{
 		db:        db,
-		broker:    &Broker{db: db, now: clock, fault: fault},
+		broker:    &Broker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
 		processor: &Processor{db: db, now: clock, newID: ids, fault: fault},
 		now:       clock,
 		newID:     ids,
 		fault:     fault,
+		leases:    leases,
 	}
+}
+
+// setLeaseTimes changes every lease of the App, the broker's ackWait too.
+func (a *App) setLeaseTimes(leases leaseTimes) {
+	a.leases = leases
+	a.broker.ackWait = leases.ackWait
 }
 
 // newIDs returns an id generator that reads UUID randomness from r: crypto

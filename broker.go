@@ -41,6 +41,9 @@ type Broker struct {
 	db    *sql.DB
 	now   func() time.Time
 	fault faultHook
+	// ackWait is how long a delivery waits for its ack before it is
+	// delivered again.
+	ackWait time.Duration
 }
 
 // subscribe makes sure subscriber gets every message on subjects published
@@ -107,7 +110,7 @@ func (b *Broker) fetch(ctx context.Context, subscriber string, max int) ([]deliv
 				ORDER BY message_seq
 				LIMIT ?)
 			RETURNING message_seq, delivery_count`,
-			formatTime(now.Add(ackWait)), subscriber, subscriber, formatTime(now), max)
+			formatTime(now.Add(b.ackWait)), subscriber, subscriber, formatTime(now), max)
 		if err != nil {
 			return fmt.Errorf("fetch for %s: %w", subscriber, err)
 		}

@@ -484,6 +484,9 @@ func (d *demo) run(ctx context.Context) error {
 		"1 refund of 2000 at the processor"); err != nil {
 		return err
 	}
+	if _, err := d.relay(ctx, "relay-2"); err != nil {
+		return err
+	}
 
 	return d.summary(ctx, orderID, declinedID)
 }
@@ -514,6 +517,14 @@ func (d *demo) summary(ctx context.Context, orderID, declinedID string) error {
 		if row.happened != row.wantTimes {
 			return fmt.Errorf("check failed: %s happened %d times, want %d", row.effect, row.happened, row.wantTimes)
 		}
+	}
+	violations, err := audit(ctx, d.app.db, d.clock.now(), true)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(d.out)
+	if err := printAudit(d.out, violations, true); err != nil {
+		return fmt.Errorf("check failed: %w", err)
 	}
 	fmt.Fprintln(d.out, "\nAll checks passed.")
 	return nil

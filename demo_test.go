@@ -30,7 +30,7 @@ func Example_demo() {
 	}
 	for _, line := range strings.Split(out.String(), "\n") {
 		line = strings.TrimSpace(line)
-		if strings.HasPrefix(line, "== ") || strings.HasPrefix(line, "-> ") || strings.HasPrefix(line, "ok: ") && !strings.Contains(line, "ord_") {
+		if strings.HasPrefix(line, "== ") || strings.HasPrefix(line, "ok: all") || strings.HasPrefix(line, "-> ") || strings.HasPrefix(line, "ok: ") && !strings.Contains(line, "ord_") {
 			fmt.Println(line)
 		}
 	}
@@ -65,6 +65,7 @@ func Example_demo() {
 	// -> 200 OK  Idempotent-Replayed: true
 	// ok: 1 refund of 2000 at the processor
 	// == Every effect happened once ==
+	// ok: all 19 invariants hold
 }
 
 func TestCommands(t *testing.T) {

@@ -124,6 +124,12 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 		}
 		if n == 0 {
 			result.Outcome = inboxDuplicate
+			_, err := tx.ExecContext(ctx, `
+				UPDATE inbox_messages SET duplicates = duplicates + 1 WHERE consumer = ? AND message_id = ?`,
+				consumerName, messageID)
+			if err != nil {
+				return fmt.Errorf("count duplicate: %w", err)
+			}
 			return nil
 		}
 		if err := apply(tx); err != nil {

@@ -12,6 +12,7 @@
 //	retrysafe worker    run only the consumers, sagas and completers
 //	retrysafe inspect   print the tables
 //	retrysafe cleanup   delete expired keys and old delivered messages
+//	retrysafe check     audit a database: nothing twice, nothing lost
 //	retrysafe sign-webhook BODY   print the signature header for a webhook
 package main
 
@@ -68,6 +69,7 @@ func newRootCommand() *cobra.Command {
 		newInspectCommand(),
 		newCleanupCommand(),
 		newSignWebhookCommand(),
+		newCheckCommand(),
 	)
 	return root
 }
@@ -100,17 +102,19 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 func newServeCommand() *cobra.Command {
 	var dbPath, addr string
 	var workers bool
+	var leaseScale float64
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Serve the HTTP API, and run the workers unless --workers=false",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, leaseScale)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file (created if missing)")
 	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
 	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
+	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
 
@@ -135,7 +139,10 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, leaseScale float64) error {
+	if leaseScale <= 0 {
+		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
+	}
 	apiKeys, webhookSecret, err := serveConfig(out)
 	if err != nil {
 		return err
@@ -146,6 +153,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return err
 	}
 	defer app.db.Close()
+	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
 
 	listener, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -183,48 +191,64 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 // newRelayCommand builds "retrysafe relay".
 func newRelayCommand() *cobra.Command {
 	var dbPath string
+	var leaseScale float64
 	cmd := &cobra.Command{
 		Use:   "relay",
 		Short: "Run the outbox relay as its own process",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", startRelayLoop)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", leaseScale, startRelayLoop)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
 
 // newWorkerCommand builds "retrysafe worker".
 func newWorkerCommand() *cobra.Command {
 	var dbPath string
+	var leaseScale float64
 	cmd := &cobra.Command{
 		Use:   "worker",
 		Short: "Run the consumers, saga recovery, refund completer and cleanup as their own process",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", startWorkerLoops)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", leaseScale, startWorkerLoops)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
 
 // runLoops runs the loops that start starts until ctx is done.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role string,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role string, leaseScale float64,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
+	if leaseScale <= 0 {
+		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
+	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
 	app, err := openApp(ctx, dbPath, nil, nil, nil)
 	if err != nil {
 		return err
 	}
 	defer app.db.Close()
+	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
 	logger.Info("started", "role", role, "db", dbPath)
 	loops.Wait()
 	logger.Info("stopped", "role", role)
 	return nil
+}
+
+// addLeaseScaleFlag adds the hidden --lease-scale flag: the chaos run
+// shortens every lease so that a killed process's work is taken over within
+// seconds. Nobody else should need it.
+func addLeaseScaleFlag(cmd *cobra.Command, scale *float64) {
+	cmd.Flags().Float64Var(scale, "lease-scale", 1, "multiply every lease and ack wait by this factor")
+	cmd.Flags().MarkHidden("lease-scale")
 }
 
 // workerName names this process in leases, so inspect shows who holds what.
@@ -379,5 +403,37 @@ func newSignWebhookCommand() *cobra.Command {
 			return nil
 		},
 	}
+	return cmd
+}
+
+// newCheckCommand builds "retrysafe check".
+func newCheckCommand() *cobra.Command {
+	var dbPath string
+	var inFlight bool
+	cmd := &cobra.Command{
+		Use:   "check",
+		Short: "Audit a database: exits 1 and prints each violation if anything happened twice or was lost",
+		Long: `check audits a database for what the four layers promise: no key maps to
+two orders, every order has one OrderCreated event, every message is applied
+at most once per consumer, no order is charged twice, stock is conserved.
+By default it also checks what holds once the system is quiet (every saga
+terminal, every event published, every key finished); stop the workers first,
+or pass --in-flight to skip those while work is still going on.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			app, err := openExistingApp(cmd.Context(), dbPath)
+			if err != nil {
+				return err
+			}
+			defer app.db.Close()
+			violations, err := audit(cmd.Context(), app.db, time.Now(), !inFlight)
+			if err != nil {
+				return err
+			}
+			return printAudit(cmd.OutOrStdout(), violations, !inFlight)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().BoolVar(&inFlight, "in-flight", false, "skip the invariants that hold only once the system is quiet")
 	return cmd
 }

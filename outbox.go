@@ -146,7 +146,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 				ORDER BY e.seq
 				LIMIT ?)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts`,
-			relayID, formatTime(a.now().Add(relayLease)), now, now, limit)
+			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
 		if err != nil {
 			return fmt.Errorf("claim outbox events: %w", err)
 		}

@@ -160,7 +160,7 @@ func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotenc
 			replay = &response
 			return nil
 		}
-		if key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-refundLockTimeout)) {
+		if key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-a.leases.refundLock)) {
 			return errKeyInProgress
 		}
 		_, err = tx.ExecContext(ctx, `
@@ -360,7 +360,7 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 		FROM idempotency_keys
 		WHERE recovery_point <> 'finished' AND (locked_at IS NULL OR locked_at <= ?)
 		ORDER BY created_at
-		LIMIT ?`, formatTime(a.now().Add(-refundLockTimeout)), max)
+		LIMIT ?`, formatTime(a.now().Add(-a.leases.refundLock)), max)
 	if err != nil {
 		return 0, fmt.Errorf("find abandoned keys: %w", err)
 	}

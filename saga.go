@@ -213,7 +213,7 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 				ORDER BY next_attempt_at
 				LIMIT ?)
 			RETURNING saga_id`,
-			workerID, formatTime(now.Add(sagaLease)), formatTime(now), formatTime(now), max)
+			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
 		if err != nil {
 			return fmt.Errorf("claim sagas: %w", err)
 		}

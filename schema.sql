@@ -166,6 +166,8 @@ CREATE TABLE inbox_messages (
     status         TEXT NOT NULL CHECK (status IN ('done', 'poison')),
     error          TEXT,
     delivery_count INTEGER NOT NULL,
+    -- duplicates counts deliveries the inbox recognised and skipped.
+    duplicates     INTEGER NOT NULL DEFAULT 0,
     processed_at   TEXT NOT NULL,
     PRIMARY KEY (consumer, message_id)
 );

@@ -1,0 +1,173 @@
+// check audits a database for the promises the four layers make: nothing
+// happened twice, nothing was lost, and once the system is quiet everything
+// has finished. It reads only, so anyone can run it against a copy of a live
+// file; every invariant is a query that lists its violations.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"time"
+)
+
+// invariant is one promise and the query that lists where it is broken.
+type invariant struct {
+	name string
+	// settledOnly marks promises that hold once the system is quiet, not
+	// while work is in flight.
+	settledOnly bool
+	query       string
+}
+
+// violation is one place where an invariant is broken.
+type violation struct {
+	Invariant string `json:"invariant"`
+	Detail    string `json:"detail"`
+}
+
+// invariants returns every invariant. Queries take no parameters but
+// :recent, the oldest created_at whose events cleanup has certainly not
+// deleted.
+func invariants() []invariant {
+	return []invariant{
+		{name: "an idempotency key maps to at most one order", query: `
+			SELECT a.user_id || ' key ' || a.idempotency_key || ' made orders ' || a.order_id || ' and ' || b.order_id
+			FROM orders a JOIN orders b
+			  ON a.user_id = b.user_id AND a.idempotency_key = b.idempotency_key AND a.order_id < b.order_id
+			WHERE abs(julianday(a.created_at) - julianday(b.created_at)) < 1.0`},
+		{name: "every stored 201 names an order of that user", query: `
+			SELECT k.user_id || ' key ' || k.idempotency_key || ' answered order ' ||
+			       COALESCE(json_extract(CAST(k.response_body AS TEXT), '$.order_id'), '?') || ', which does not exist'
+			FROM idempotency_keys k
+			WHERE k.request_path = '/api/orders' AND k.response_status = 201
+			  AND NOT EXISTS (SELECT 1 FROM orders o
+			                  WHERE o.order_id = json_extract(CAST(k.response_body AS TEXT), '$.order_id') AND o.user_id = k.user_id)`},
+		{name: "every order has exactly one OrderCreated event", query: `
+			SELECT o.order_id || ' has ' || COUNT(e.seq) || ' OrderCreated events'
+			FROM orders o LEFT JOIN outbox_events e ON e.aggregate_id = o.order_id AND e.event_type = 'OrderCreated'
+			GROUP BY o.order_id
+			HAVING COUNT(e.seq) > 1 OR (COUNT(e.seq) = 0 AND o.created_at >= :recent)`},
+		{name: "every order starts at most one saga", query: `
+			SELECT order_id || ' has ' || COUNT(*) || ' sagas' FROM saga_instances GROUP BY order_id HAVING COUNT(*) > 1`},
+		{name: "every (consumer, message) is applied at most once", query: `
+			SELECT consumer || ' recorded ' || message_id || ' ' || COUNT(*) || ' times'
+			FROM inbox_messages GROUP BY consumer, message_id HAVING COUNT(*) > 1`},
+		{name: "no order is charged twice", query: `
+			SELECT order_id || ' was charged ' || COUNT(*) || ' times'
+			FROM processor_charges WHERE status = 'succeeded' GROUP BY order_id HAVING COUNT(*) > 1`},
+		{name: "no charge is refunded beyond what it captured", query: `
+			SELECT c.charge_id || ' captured ' || c.amount_cents || ', refunded ' || c.refunded_cents ||
+			       ', refunds add up to ' || COALESCE((SELECT SUM(r.amount_cents) FROM processor_refunds r WHERE r.charge_id = c.charge_id), 0)
+			FROM processor_charges c
+			WHERE c.refunded_cents > c.amount_cents
+			   OR c.refunded_cents <> COALESCE((SELECT SUM(r.amount_cents) FROM processor_refunds r WHERE r.charge_id = c.charge_id), 0)`},
+		{name: "stock is conserved (available + reserved + sold = stocked)", query: `
+			SELECT sku || ': ' || available || ' + ' || reserved || ' + ' || sold || ' <> ' || stocked
+			FROM stock_items WHERE available + reserved + sold <> stocked`},
+		{name: "stock counts match the reservations", query: `
+			SELECT s.sku || ': reserved ' || s.reserved || ' and sold ' || s.sold || ' but reservations say ' ||
+			       COALESCE((SELECT SUM(qty) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved'), 0) || ' and ' ||
+			       COALESCE((SELECT SUM(qty) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'sold'), 0)
+			FROM stock_items s
+			WHERE s.reserved <> COALESCE((SELECT SUM(qty) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved'), 0)
+			   OR s.sold <> COALESCE((SELECT SUM(qty) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'sold'), 0)`},
+		{name: "a cancelled order sold nothing and holds no money", query: `
+			SELECT o.order_id || ' is cancelled but ' ||
+			       CASE WHEN EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold')
+			            THEN 'sold stock' ELSE 'the processor holds its money' END
+			FROM orders o
+			WHERE o.status = 'cancelled'
+			  AND (EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold')
+			       OR COALESCE((SELECT SUM(c.amount_cents - c.refunded_cents) FROM processor_charges c
+			                    WHERE c.order_id = o.order_id AND c.status = 'succeeded'), 0) <> 0)`},
+
+		{name: "once quiet, every order is paid, cancelled or refunded", settledOnly: true, query: `
+			SELECT order_id || ' is still ' || status FROM orders WHERE status = 'created'`},
+		{name: "once quiet, the processor holds exactly what each order kept", settledOnly: true, query: `
+			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' (refunded ' || o.refunded_cents ||
+			       ') but the processor holds ' || COALESCE(SUM(c.amount_cents - c.refunded_cents), 0)
+			FROM orders o LEFT JOIN processor_charges c ON c.order_id = o.order_id AND c.status = 'succeeded'
+			GROUP BY o.order_id
+			HAVING COALESCE(SUM(c.amount_cents - c.refunded_cents), 0) <>
+			       CASE o.status WHEN 'paid' THEN o.amount_cents - o.refunded_cents
+			                     WHEN 'refunded' THEN 0
+			                     WHEN 'cancelled' THEN 0
+			                     ELSE -1 END`},
+		{name: "once quiet, a paid order sold all its items", settledOnly: true, query: `
+			SELECT o.order_id || ' is ' || o.status || ' but sold ' ||
+			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') ||
+			       ' of ' || json_array_length(o.items) || ' items'
+			FROM orders o
+			WHERE o.status IN ('paid', 'refunded')
+			  AND (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> json_array_length(o.items)`},
+		{name: "once quiet, nothing is reserved", settledOnly: true, query: `
+			SELECT sku || ' still has ' || reserved || ' reserved' FROM stock_items WHERE reserved <> 0`},
+		{name: "once quiet, every saga is terminal and agrees with its order", settledOnly: true, query: `
+			SELECT o.order_id || ' is ' || o.status || ' with saga ' || COALESCE(s.status, 'missing')
+			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id
+			WHERE NOT ((s.status = 'completed' AND o.status IN ('paid', 'refunded'))
+			        OR (s.status = 'compensated' AND o.status = 'cancelled'))`},
+		{name: "once quiet, no event is left unpublished", settledOnly: true, query: `
+			SELECT event_type || ' ' || event_id || ' is ' || status FROM outbox_events WHERE status <> 'published'`},
+		{name: "once quiet, no delivery is left unacked", settledOnly: true, query: `
+			SELECT d.subscriber || ' has not acked ' || m.message_id
+			FROM broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq WHERE d.status <> 'acked'`},
+		{name: "once quiet, no message is poison", settledOnly: true, query: `
+			SELECT consumer || ' gave up on ' || message_id || ': ' || COALESCE(error, '') FROM inbox_messages WHERE status = 'poison'`},
+		{name: "once quiet, every idempotency key is finished", settledOnly: true, query: `
+			SELECT user_id || ' key ' || idempotency_key || ' is at ' || recovery_point FROM idempotency_keys WHERE recovery_point <> 'finished'`},
+	}
+}
+
+// audit runs every invariant against db (the settled ones only if settled)
+// and returns the violations. now dates what cleanup may have deleted.
+func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]violation, error) {
+	recent := formatTime(now.Add(-messageRetention))
+	var violations []violation
+	for _, inv := range invariants() {
+		if inv.settledOnly && !settled {
+			continue
+		}
+		rows, err := db.QueryContext(ctx, inv.query, sql.Named("recent", recent))
+		if err != nil {
+			return nil, fmt.Errorf("check %q: %w", inv.name, err)
+		}
+		for rows.Next() {
+			var detail string
+			if err := rows.Scan(&detail); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("check %q: %w", inv.name, err)
+			}
+			violations = append(violations, violation{Invariant: inv.name, Detail: detail})
+		}
+		if err := rows.Close(); err != nil {
+			return nil, fmt.Errorf("check %q: %w", inv.name, err)
+		}
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("check %q: %w", inv.name, err)
+		}
+	}
+	return violations, nil
+}
+
+// printAudit writes the violations, or a line saying all invariants hold.
+// It returns an error if there is any violation.
+func printAudit(w io.Writer, violations []violation, settled bool) error {
+	checked := 0
+	for _, inv := range invariants() {
+		if settled || !inv.settledOnly {
+			checked++
+		}
+	}
+	if len(violations) == 0 {
+		fmt.Fprintf(w, "ok: all %d invariants hold\n", checked)
+		return nil
+	}
+	for _, v := range violations {
+		fmt.Fprintf(w, "VIOLATION %s: %s\n", v.Invariant, v.Detail)
+	}
+	return fmt.Errorf("%d violations of %d invariants", len(violations), checked)
+}
