@@ -135,7 +135,7 @@ func crashWorkload(t *testing.T, env *testEnv) {
 		"declined": orderBody(1200, "sku-2", 3, pmCardDeclined),
 		"timeout":  orderBody(3000, "sku-2", 1, pmCardTimeout),
 		"rare":     orderBody(800, "sku-rare", 2, pmCardVisa),
-		"second":     orderBody(4000, "sku-1", 1, pmCardVisa),
+		"second":   orderBody(4000, "sku-1", 1, pmCardVisa),
 	}
 	orderIDs := map[string]string{}
 	for _, name := range []string{"visa", "declined", "timeout", "rare", "second"} {
