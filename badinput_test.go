@@ -1,0 +1,260 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+)
+
+// Ensure no malformed, hostile or oversized request gets in: each gets a 4xx
+// problem (never a 5xx), and nothing is stored.
+func TestBadInputNeverGetsIn(t *testing.T) {
+	env := MustOpenApp(t)
+	ts := newTestServer(t, env)
+	valid := orderBody(5000, "sku-1", 2, pmCardVisa)
+	withField := func(field, value string) string {
+		var fields map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(valid), &fields); err != nil {
+			t.Fatal(err)
+		}
+		fields[field] = json.RawMessage(value)
+		body, err := json.Marshal(fields)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(body)
+	}
+	sqlText := `x'; DROP TABLE orders; --`
+
+	tests := []struct {
+		name string
+		key  string
+		body string
+	}{
+		{"EmptyBody", "k", ""},
+		{"UnclosedObject", "k", `{"amount_cents":5000`},
+		{"TrailingComma", "k", `{"amount_cents":5000,}`},
+		{"TwoObjects", "k", valid + valid},
+		{"TrailingGarbage", "k", valid + "x"},
+		{"Array", "k", `[` + valid + `]`},
+		{"String", "k", `"order"`},
+		{"Null", "k", `null`},
+		{"AmountAsString", "k", withField("amount_cents", `"5000"`)},
+		{"AmountAsFloat", "k", withField("amount_cents", `50.5`)},
+		{"AmountAsBool", "k", withField("amount_cents", `true`)},
+		{"AmountOverflowsInt64", "k", withField("amount_cents", `9223372036854775808`)},
+		{"AmountUnderflowsInt64", "k", withField("amount_cents", `-9223372036854775809`)},
+		{"AmountHugeExponent", "k", withField("amount_cents", `1e400`)},
+		{"AmountNegative", "k", withField("amount_cents", `-1`)},
+		{"AmountZero", "k", withField("amount_cents", `0`)},
+		{"AmountAbsurd", "k", withField("amount_cents", `100000000000`)},
+		{"ItemsAsObject", "k", withField("items", `{"sku":"sku-1","qty":1}`)},
+		{"ItemsNull", "k", withField("items", `null`)},
+		{"QtyAsString", "k", withField("items", `[{"sku":"sku-1","qty":"2"}]`)},
+		{"QtyOverflows", "k", withField("items", `[{"sku":"sku-1","qty":99999999999999999999}]`)},
+		{"QtyHuge", "k", withField("items", `[{"sku":"sku-1","qty":1000000}]`)},
+		{"TooManyItems", "k", withField("items", `[`+strings.TrimSuffix(strings.Repeat(`{"sku":"sku-1","qty":1},`, 51), ",")+`]`)},
+		{"CurrencyAsNumber", "k", withField("currency", `840`)},
+		{"CurrencyInvalidUTF8", "k", strings.Replace(valid, `"usd"`, "\"us\xffd\"", 1)},
+		{"KeyNameInvalidUTF8", "k", strings.Replace(valid, `"currency"`, "\"curr\xc3ency\"", 1)},
+		{"PaymentMethodAsArray", "k", withField("payment_method", `["pm_card_visa"]`)},
+		{"UnknownField", "k", withField("coupon", `"FREE"`)},
+		{"SQLInSKU", "k", withField("items", `[{"sku":"`+sqlText+`","qty":1}]`)},
+		{"SQLInCurrency", "k", withField("currency", `"`+sqlText+`"`)},
+		{"SQLInPaymentMethod", "k", withField("payment_method", `"`+sqlText+`"`)},
+		{"HeaderInjectionInSKU", "k", withField("items", `[{"sku":"sku-1\r\nSet-Cookie: x=1","qty":1}]`)},
+		{"DeepNesting", "k", strings.Repeat("[", 10000) + strings.Repeat("]", 10000)},
+		{"HugeBody", "k", `{"amount_cents":5000,"pad":"` + strings.Repeat("x", 2*maxBodyBytes) + `"}`},
+		{"KeyTooLong", strings.Repeat("k", maxKeyLength+1), valid},
+		{"KeyHuge", strings.Repeat("k", 20000), valid},
+		{"KeyNonASCII", "kéy", valid},
+		{"KeyOnlyQuotes", `""`, valid},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := call(t, ts, "POST", "/api/orders", keyUser42, tt.key, tt.body)
+			if got.Status < 400 || got.Status >= 500 {
+				t.Fatalf("got %d %s, want a 4xx", got.Status, got.Body)
+			}
+			problemTypeOf(t, got)
+		})
+	}
+
+	// Malformed framing that Go's client will not send: net/http rejects it
+	// before any handler runs, with a 4xx of its own.
+	rawRequests := map[string]string{
+		"NULInKey":       "POST /api/orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keyUser42 + "\r\nIdempotency-Key: a\x00b\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+		"BareLFInHeader": "POST /api/orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: a\nX-Injected: 1\r\nContent-Length: 2\r\n\r\n{}",
+		"NegativeLength": "POST /api/orders HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}",
+	}
+	for name, raw := range rawRequests {
+		t.Run("Raw"+name, func(t *testing.T) {
+			conn, err := net.DialTimeout("tcp", strings.TrimPrefix(ts.URL, "http://"), 5*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := conn.Write([]byte(raw)); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode < 400 || resp.StatusCode >= 500 {
+				t.Fatalf("got %d, want a 4xx", resp.StatusCode)
+			}
+		})
+	}
+
+	if n := env.count(t, `SELECT (SELECT COUNT(*) FROM idempotency_keys) + (SELECT COUNT(*) FROM orders) + (SELECT COUNT(*) FROM outbox_events)`); n != 0 {
+		t.Fatalf("bad input stored %d rows", n)
+	}
+
+	// SQL text that is valid data (here, a key) is stored as data.
+	t.Run("SQLTextInKeyIsJustData", func(t *testing.T) {
+		first := call(t, ts, "POST", "/api/orders", keyUser42, sqlText, valid)
+		again := call(t, ts, "POST", "/api/orders", keyUser42, sqlText, valid)
+		if first.Status != 201 || again.Header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("got %d then %d %q", first.Status, again.Status, again.Header.Get("Idempotent-Replayed"))
+		}
+		if got := env.str(t, `SELECT idempotency_key FROM orders`); got != sqlText {
+			t.Fatalf("stored key %q, want %q", got, sqlText)
+		}
+	})
+}
+
+// FuzzCanonicalJSON checks the fingerprint's core: equivalent bodies give
+// one canonical form, and different ones differ.
+func FuzzCanonicalJSON(f *testing.F) {
+	f.Add(`{"b":1,"a":[1,2,{"y":null,"x":"s"}]}`, `{"a":[1,2,{"x":"s","y":null}],"b":1}`)
+	f.Add(`{"amount_cents":5000}`, `{"amount_cents":5000.0}`)
+	f.Add(`{"a":"\u00e9"}`, `{"a":"é"}`)
+	f.Add(`{"a":1,"a":2}`, `{"a":2}`)
+	f.Add(`[]`, `{}`)
+	f.Add("{\"a\":\"\xff\"}", `{"a":"\ufffd"}`)
+	f.Fuzz(func(t *testing.T, a, b string) {
+		canonicalA, errA := canonicalJSON([]byte(a))
+		canonicalB, errB := canonicalJSON([]byte(b))
+		if errA != nil {
+			if utf8.ValidString(a) && json.Valid([]byte(a)) && !strings.Contains(a, "\x00") {
+				// Valid JSON may only be refused for trailing data, which
+				// json.Valid already rules out.
+				t.Fatalf("canonicalJSON(%q) refused valid JSON: %v", a, errA)
+			}
+			return
+		}
+		// Canonical form is a fixed point, and survives re-indenting.
+		again, err := canonicalJSON(canonicalA)
+		if err != nil || !bytes.Equal(again, canonicalA) {
+			t.Fatalf("canonical form of %q is not stable: %s then %s (%v)", a, canonicalA, again, err)
+		}
+		var indented bytes.Buffer
+		if err := json.Indent(&indented, []byte(a), "", "  "); err == nil {
+			if reindented, err := canonicalJSON(indented.Bytes()); err != nil || !bytes.Equal(reindented, canonicalA) {
+				t.Fatalf("re-indenting %q changed its canonical form: %s vs %s", a, reindented, canonicalA)
+			}
+		}
+		if errB != nil {
+			return
+		}
+		// Same canonical form exactly when the decoded values are equal.
+		same := bytes.Equal(canonicalA, canonicalB)
+		equal := reflect.DeepEqual(decodeWithNumbers(t, canonicalA), decodeWithNumbers(t, canonicalB))
+		if same != equal {
+			t.Fatalf("%q and %q: same canonical form %v, equal values %v", a, b, same, equal)
+		}
+	})
+}
+
+// decodeWithNumbers decodes JSON keeping numbers as their literal text.
+func decodeWithNumbers(t *testing.T, data []byte) any {
+	decoder := json.NewDecoder(bytes.NewReader(data))
+	decoder.UseNumber()
+	var value any
+	if err := decoder.Decode(&value); err != nil {
+		t.Fatalf("decode %s: %v", data, err)
+	}
+	return value
+}
+
+// FuzzDecodeOrderRequest checks that the decoder never panics, and that what
+// it accepts is within the limits and survives a round trip.
+func FuzzDecodeOrderRequest(f *testing.F) {
+	f.Add(orderBody(5000, "sku-1", 2, pmCardVisa))
+	f.Add(`{"amount_cents":1,"currency":"eur","items":[{"sku":"a","qty":1000}],"payment_method":"pm_card_timeout"}`)
+	f.Add(`{"amount_cents":-1}`)
+	f.Add(`{"amount_cents":9223372036854775808,"currency":"usd","items":[],"payment_method":""}`)
+	f.Add(`{"items":[{"sku":"sku-1","qty":1},{"sku":"sku-1","qty":1}]}`)
+	f.Add(`nonsense`)
+	f.Fuzz(func(t *testing.T, body string) {
+		order, err := decodeOrderRequest([]byte(body))
+		if err != nil {
+			var invalid *invalidRequestError
+			if !errors.As(err, &invalid) || len(invalid.Errors) == 0 {
+				t.Fatalf("decodeOrderRequest(%q) returned %T %v, want an *invalidRequestError naming a field", body, err, err)
+			}
+			return
+		}
+		if order.AmountCents <= 0 || order.AmountCents > maxAmountCents || len(order.Items) == 0 || len(order.Items) > maxOrderItems ||
+			!supportedCurrencies[order.Currency] || !paymentMethods[order.PaymentMethod] {
+			t.Fatalf("accepted an out-of-limits order %+v from %q", order, body)
+		}
+		for _, item := range order.Items {
+			if item.Qty <= 0 || item.Qty > maxItemQty || !skuPattern.MatchString(item.SKU) {
+				t.Fatalf("accepted item %+v from %q", item, body)
+			}
+		}
+		encoded, err := json.Marshal(order)
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := decodeOrderRequest(encoded)
+		if err != nil || !reflect.DeepEqual(again, order) {
+			t.Fatalf("round trip of %+v gave %+v, %v", order, again, err)
+		}
+	})
+}
+
+// FuzzIdempotencyKeyHeader checks that the key header parser never panics
+// and accepts only 1 to 255 printable ASCII characters.
+func FuzzIdempotencyKeyHeader(f *testing.F) {
+	for _, seed := range []string{"k", `"quoted"`, `"`, `""`, strings.Repeat("k", 255), strings.Repeat("k", 256), "tab\there", "é", "a b"} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, value string) {
+		req, err := http.NewRequest("POST", "/api/orders", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header["Idempotency-Key"] = []string{value}
+		key, problem := idempotencyKeyFrom(req)
+		if problem != nil {
+			if problem.Status != 400 {
+				t.Fatalf("%q: status %d, want 400", value, problem.Status)
+			}
+			return
+		}
+		if len(key) == 0 || len(key) > maxKeyLength {
+			t.Fatalf("%q: accepted a key of length %d", value, len(key))
+		}
+		for _, c := range []byte(key) {
+			if c < 0x20 || c > 0x7e {
+				t.Fatalf("%q: accepted byte %#x", value, c)
+			}
+		}
+		if !strings.Contains(value, key) {
+			t.Fatalf("%q: key %q is not part of the header", value, key)
+		}
+	})
+}
