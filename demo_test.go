@@ -86,7 +86,7 @@ func TestCommands(t *testing.T) {
 			t.Fatalf("demo: %v\n%s", err, out)
 		}
 		out, err := runCLI(t, "inspect", "--db", path)
-		if err != nil || !strings.Contains(out, "orders (2 rows)") || !strings.Contains(out, "processor_charges (2 rows)") {
+		if err != nil || !strings.Contains(out, "orders (2 rows)") || !strings.Contains(out, "processor_refunds (1 row)") {
 			t.Fatalf("inspect: %v\n%s", err, out)
 		}
 		out, err = runCLI(t, "inspect", "--db", path, "--json")
@@ -113,8 +113,11 @@ func TestCommands(t *testing.T) {
 			{[]string{"inspect", "--db", missing}, "no database at " + missing},
 			{[]string{"cleanup", "--db", missing}, "no database at " + missing},
 			{[]string{"demo", "--db", existing}, "already exists"},
-			{[]string{"demo", "extra"}, "unknown command"},
-			{[]string{"serve", "--addr", "not an address"}, "listen on not an address"},
+			{[]string{"demo", "extra"}, "takes no arguments"},
+			{[]string{"inspect", missing}, "name the database with --db"},
+			{[]string{"relay", "--db", missing}, "no database at " + missing},
+			{[]string{"worker", "--db", missing}, "no database at " + missing},
+			{[]string{"serve", "--db", missing, "--addr", "not an address"}, "listen on not an address"},
 			{[]string{"bogus"}, "unknown command"},
 		}
 		for _, tt := range tests {
@@ -124,7 +127,7 @@ func TestCommands(t *testing.T) {
 			}
 		}
 		if _, err := os.Stat(missing); !os.IsNotExist(err) {
-			t.Fatalf("inspect of a missing file created it")
+			t.Fatalf("a failed command created %s", missing)
 		}
 	})
 

@@ -289,4 +289,35 @@ func TestCleanup(t *testing.T) {
 			t.Fatalf("got %d keys left, want 2 (the live one and the unfinished one)", got)
 		}
 	})
+
+	// Ensure delivered messages are deleted once older than messageRetention,
+	// and nothing that is still in flight is.
+	t.Run("DeletesOldDeliveredMessages", func(t *testing.T) {
+		env := MustOpenApp(t)
+		createAndDrain(t, env, "old", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(context.Background(), "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(messageRetention + time.Minute)
+		// A new order whose events are still on their way.
+		mustCreateOrder(t, env, "user-42", "new", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(context.Background(), "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+
+		result, err := env.app.cleanupOnce(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := cleanupResult{Keys: 1, OutboxEvents: 2, BrokerMessages: 2, InboxMessages: 2}
+		if result != want {
+			t.Fatalf("deleted %+v, want %+v", result, want)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM broker_deliveries WHERE status = 'pending'`); got != 1 {
+			t.Fatalf("got %d pending deliveries, want the new order's 1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 1 {
+			t.Fatalf("got %d outbox events, want the new order's 1", got)
+		}
+	})
 }

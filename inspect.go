@@ -88,7 +88,11 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, asJSON bool) error {
 	}
 	for _, table := range inspectedTables {
 		dump := dumps[table.name]
-		fmt.Fprintf(w, "%s (%d rows)\n", table.name, len(dump.Rows))
+		rowsWord := "rows"
+		if len(dump.Rows) == 1 {
+			rowsWord = "row"
+		}
+		fmt.Fprintf(w, "%s (%d %s)\n", table.name, len(dump.Rows), rowsWord)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "  "+strings.Join(dump.Columns, "\t"))
 		for _, row := range dump.Rows {

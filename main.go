@@ -106,7 +106,7 @@ func newServeCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Serve the HTTP API, and run the workers unless --workers=false",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, leaseScale)
 		},
@@ -148,17 +148,19 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return err
 	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
+	// Listen first: a busy port or a bad address fails before any database
+	// file is created.
+	listener, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", addr, err)
+	}
+	defer listener.Close()
 	app, err := openApp(ctx, dbPath, nil, nil, nil)
 	if err != nil {
 		return err
 	}
 	defer app.db.Close()
 	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
-
-	listener, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("listen on %s: %w", addr, err)
-	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	fmt.Fprintf(out, "retrysafe serving http://%s (database %s)\n", listener.Addr(), dbPath)
@@ -195,7 +197,7 @@ func newRelayCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "relay",
 		Short: "Run the outbox relay as its own process",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", leaseScale, startRelayLoop)
 		},
@@ -212,7 +214,7 @@ func newWorkerCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "worker",
 		Short: "Run the consumers, saga recovery, refund completer and cleanup as their own process",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", leaseScale, startWorkerLoops)
 		},
@@ -229,7 +231,9 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role string, leaseScal
 		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
 	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
-	app, err := openApp(ctx, dbPath, nil, nil, nil)
+	// The relay and the worker serve a database that serve created; a typo
+	// in --db must not start them on a new, empty one.
+	app, err := openExistingApp(ctx, dbPath)
 	if err != nil {
 		return err
 	}
@@ -249,6 +253,15 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role string, leaseScal
 func addLeaseScaleFlag(cmd *cobra.Command, scale *float64) {
 	cmd.Flags().Float64Var(scale, "lease-scale", 1, "multiply every lease and ack wait by this factor")
 	cmd.Flags().MarkHidden("lease-scale")
+}
+
+// noArgs rejects positional arguments with a hint: the database is named
+// with --db, not as an argument.
+func noArgs(cmd *cobra.Command, args []string) error {
+	if len(args) > 0 {
+		return fmt.Errorf("%s takes no arguments (got %q); name the database with --db FILE", cmd.CommandPath(), args[0])
+	}
+	return nil
 }
 
 // workerName names this process in leases, so inspect shows who holds what.
@@ -345,7 +358,7 @@ func newInspectCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "inspect",
 		Short: "Print every layer's tables (aligned text, or --json)",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			app, err := openExistingApp(cmd.Context(), dbPath)
 			if err != nil {
@@ -366,7 +379,7 @@ func newCleanupCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "cleanup",
 		Short: "Delete expired idempotency keys and delivered messages older than a week",
-		Args:  cobra.NoArgs,
+		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			app, err := openExistingApp(cmd.Context(), dbPath)
 			if err != nil {
@@ -419,7 +432,7 @@ at most once per consumer, no order is charged twice, stock is conserved.
 By default it also checks what holds once the system is quiet (every saga
 terminal, every event published, every key finished); stop the workers first,
 or pass --in-flight to skip those while work is still going on.`,
-		Args: cobra.NoArgs,
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			app, err := openExistingApp(cmd.Context(), dbPath)
 			if err != nil {

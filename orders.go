@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"reflect"
 	"regexp"
 	"strings"
 	"time"
@@ -95,6 +96,8 @@ func decodeStrict(body []byte, dst any) error {
 		var typeErr *json.UnmarshalTypeError
 		var syntaxErr *json.SyntaxError
 		switch {
+		case errors.As(err, &typeErr) && typeErr.Field != "" && typeErr.Value == "number" && typeErr.Type.Kind() == reflect.Int64:
+			return invalidField(typeErr.Field, "must be a whole number within range")
 		case errors.As(err, &typeErr) && typeErr.Field != "":
 			return invalidField(typeErr.Field, fmt.Sprintf("must be %s, not a JSON %s", jsonTypeName(typeErr.Type.Kind().String()), typeErr.Value))
 		case errors.As(err, &typeErr):
@@ -165,7 +168,7 @@ func decodeOrderRequest(body []byte) (orderRequest, error) {
 	case raw.Currency == nil:
 		problems = append(problems, fieldError{"currency", "is required"})
 	case !supportedCurrencies[*raw.Currency]:
-		problems = append(problems, fieldError{"currency", "must be one of usd, eur, gbp"})
+		problems = append(problems, fieldError{"currency", "must be one of usd, eur, gbp (lower case)"})
 	default:
 		order.Currency = *raw.Currency
 	}

@@ -16,6 +16,7 @@ type problemType string
 const (
 	problemValidation         problemType = "/problems/validation"
 	problemKeyMissing         problemType = "/problems/idempotency-key-missing"
+	problemKeyInvalid         problemType = "/problems/idempotency-key-invalid"
 	problemKeyReused          problemType = "/problems/idempotency-key-reused"
 	problemKeyInProgress      problemType = "/problems/idempotency-key-in-progress"
 	problemUnauthorized       problemType = "/problems/unauthorized"
@@ -24,6 +25,7 @@ const (
 	problemUnsupportedMedia   problemType = "/problems/unsupported-media-type"
 	problemBodyTooLarge       problemType = "/problems/body-too-large"
 	problemOrderNotRefundable problemType = "/problems/order-not-refundable"
+	problemPaymentPending     problemType = "/problems/payment-pending"
 	problemRefundTooLarge     problemType = "/problems/refund-exceeds-remaining"
 	problemProcessorRefused   problemType = "/problems/processor-refused"
 	problemUnavailable        problemType = "/problems/temporarily-unavailable"
@@ -35,6 +37,7 @@ const (
 var problemDocs = map[problemType]string{
 	problemValidation:         "The request body is not a valid request. Fix the fields named in errors and send it again; the same Idempotency-Key may be reused, since nothing was stored.",
 	problemKeyMissing:         "POST requests must carry an Idempotency-Key header: 1 to 255 printable ASCII characters, unique per operation (a UUID v4 is a good choice).",
+	problemKeyInvalid:         "The Idempotency-Key header must be sent once, with 1 to 255 printable ASCII characters (a UUID v4 is a good choice).",
 	problemKeyReused:          "This Idempotency-Key was first used with a different request (method, path or body). Nothing was done. Use a new key for a new operation; reuse a key only to retry the very same request.",
 	problemKeyInProgress:      "A request with this Idempotency-Key is still being processed. Retry after the Retry-After delay; you will get its result.",
 	problemUnauthorized:       "Send Authorization: Bearer <api key>.",
@@ -42,7 +45,8 @@ var problemDocs = map[problemType]string{
 	problemMethodNotAllowed:   "This resource does not accept that method.",
 	problemUnsupportedMedia:   "Send the body as Content-Type: application/json.",
 	problemBodyTooLarge:       "The request body is larger than the server accepts.",
-	problemOrderNotRefundable: "Only a paid order can be refunded. This outcome is stored under the Idempotency-Key.",
+	problemOrderNotRefundable: "Only a paid order can be refunded; this one is cancelled or already refunded. This outcome is stored under the Idempotency-Key.",
+	problemPaymentPending:     "The order's payment is still in progress. Nothing was stored; retry with the same Idempotency-Key after Retry-After.",
 	problemRefundTooLarge:     "The refund is larger than what remains to refund. This outcome is stored under the Idempotency-Key.",
 	problemProcessorRefused:   "The card processor refused the refund. This outcome is stored under the Idempotency-Key.",
 	problemUnavailable:        "A transient failure; nothing was stored. Retry with the same Idempotency-Key after Retry-After.",

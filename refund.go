@@ -77,6 +77,11 @@ func orderIDFromRefundPath(path string) (string, bool) {
 	return strings.CutSuffix(orderID, "/refund")
 }
 
+// errPaymentPending is returned for a refund of an order whose payment is
+// still in flight. It is not definitive (in a moment the order is paid or
+// cancelled), so nothing is stored and the same key may be retried.
+var errPaymentPending = errors.New("the order's payment is still in progress")
+
 // refundOrder refunds an order under an idempotency key, phase by phase.
 // Returns errKeyReused, errKeyInProgress, or a transient error (the
 // processor timed out: the lease is released and a retry resumes). Business
@@ -93,7 +98,15 @@ func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID st
 	for {
 		switch key.RecoveryPoint {
 		case recoveryStarted:
-			if err := a.refundPhaseStarted(ctx, req, orderID, refund); err != nil {
+			err := a.refundPhaseStarted(ctx, req, orderID, refund)
+			if errors.Is(err, errPaymentPending) {
+				// Nothing happened under the key yet: free it for the retry.
+				if err := a.forgetKey(ctx, req); err != nil {
+					return apiResponse{}, err
+				}
+				return apiResponse{}, errPaymentPending
+			}
+			if err != nil {
 				return apiResponse{}, err
 			}
 			if err := a.fault.at(ctx, faultRefundStarted); err != nil {
@@ -198,6 +211,18 @@ func (a *App) releaseKey(ctx context.Context, req idempotentRequest) error {
 	return nil
 }
 
+// forgetKey deletes a key that is still at its first recovery point, when
+// the request turned out to be too early to do anything.
+func (a *App) forgetKey(ctx context.Context, req idempotentRequest) error {
+	_, err := a.db.ExecContext(ctx, `
+		DELETE FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ? AND recovery_point = ?`,
+		req.UserID, req.IdempotencyKey, recoveryStarted)
+	if err != nil {
+		return fmt.Errorf("forget idempotency key: %w", err)
+	}
+	return nil
+}
+
 // refundPhaseStarted checks the order and records a pending refund, or
 // stores a definitive refusal on the key. Counting pending refunds in what
 // remains means two refunds in flight under different keys can never
@@ -214,6 +239,9 @@ func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, ord
 		}
 		if err != nil {
 			return err
+		}
+		if order.Status == orderCreated {
+			return errPaymentPending
 		}
 		if order.Status != orderPaid {
 			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{

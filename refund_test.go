@@ -48,10 +48,11 @@ func TestHTTPRefund(t *testing.T) {
 	t.Run("RefusalsAreStored", func(t *testing.T) {
 		env := MustOpenApp(t)
 		ts := newTestServer(t, env)
-		unpaid := call(t, ts, "POST", "/api/orders", keyUser42, "unpaid", orderBody(100, "sku-1", 1, pmCardVisa))
-		notPaid := call(t, ts, "POST", refundPath(orderField([]byte(unpaid.Body), "order_id")), keyUser42, "r0", "")
-		if notPaid.Status != 409 || problemTypeOf(t, notPaid) != problemOrderNotRefundable {
-			t.Fatalf("refund of an unpaid order got %d %s, want 409", notPaid.Status, notPaid.Body)
+		declined := call(t, ts, "POST", "/api/orders", keyUser42, "declined", orderBody(100, "sku-1", 1, pmCardDeclined))
+		env.drain(t)
+		cancelled := call(t, ts, "POST", refundPath(orderField([]byte(declined.Body), "order_id")), keyUser42, "r0", "")
+		if cancelled.Status != 409 || problemTypeOf(t, cancelled) != problemOrderNotRefundable {
+			t.Fatalf("refund of a cancelled order got %d %s, want 409", cancelled.Status, cancelled.Body)
 		}
 
 		orderID := paidOrderOverHTTP(t, env, ts, 5000)
@@ -69,6 +70,26 @@ func TestHTTPRefund(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 0 {
 			t.Fatalf("got %d refunds, want 0", got)
+		}
+	})
+
+	// Ensure a refund asked for while the payment is still in flight is a
+	// 409 that stores nothing: the same key works once the order is paid.
+	t.Run("TooEarlyIsNotStored", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		created := call(t, ts, "POST", "/api/orders", keyUser42, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		orderID := orderField([]byte(created.Body), "order_id")
+		early := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", "")
+		if early.Status != 409 || early.Header.Get("Retry-After") == "" || problemTypeOf(t, early) != problemPaymentPending {
+			t.Fatalf("early refund got %d %s, want 409 payment-pending with Retry-After", early.Status, early.Body)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = 'r1'`); got != 0 {
+			t.Fatalf("the early refund stored its key")
+		}
+		env.drain(t)
+		if later := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", ""); later.Status != 200 {
+			t.Fatalf("the retry once paid got %d %s, want 200", later.Status, later.Body)
 		}
 	})
 
@@ -230,6 +251,15 @@ func TestHTTPWebhook(t *testing.T) {
 		}
 		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
 			t.Fatalf("order %s, want paid:1500", got)
+		}
+
+		// An event for a charge nobody knows is acknowledged as poison, with
+		// its reason, so the processor stops retrying and an operator can
+		// look.
+		unknown := chargeRefundedEvent("evt_processor_2", "ch_unknown", "re_unknown", 100)
+		poison := postWebhook(t, ts, unknown, signWebhook(secret, env.clock.now(), unknown))
+		if poison.Status != 200 || !strings.Contains(poison.Body, `"outcome":"poison"`) || !strings.Contains(poison.Body, "unknown charge ch_unknown") {
+			t.Fatalf("got %d %s, want 200 poison naming the charge", poison.Status, poison.Body)
 		}
 	})
 }

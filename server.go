@@ -77,8 +77,16 @@ func (s *server) routes() http.Handler {
 	mux.HandleFunc("GET /problems/{name}", s.handleProblemDoc)
 	// The method-less patterns catch what the ones above do not, so that a
 	// wrong method or path still gets a problem document.
-	for _, path := range []string{"/api/orders", "/api/orders/{id}", "/api/orders/{id}/refund", "/webhooks/processor", "/healthz"} {
+	allowed := map[string]string{
+		"/api/orders":             "POST",
+		"/api/orders/{id}":        "GET",
+		"/api/orders/{id}/refund": "POST",
+		"/webhooks/processor":     "POST",
+		"/healthz":                "GET",
+	}
+	for path, methods := range allowed {
 		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Allow", methods)
 			writeProblem(w, problem{Type: problemMethodNotAllowed, Title: "Method not allowed", Status: http.StatusMethodNotAllowed,
 				Detail: fmt.Sprintf("%s does not accept %s", r.URL.Path, r.Method)})
 		})
@@ -158,7 +166,9 @@ type userHandler func(w http.ResponseWriter, r *http.Request, userID string)
 // and nothing is stored.
 func (s *server) authenticated(next userHandler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		apiKey, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		// The scheme name is case-insensitive (RFC 9110, section 11.1).
+		scheme, apiKey, ok := strings.Cut(r.Header.Get("Authorization"), " ")
+		ok = ok && strings.EqualFold(scheme, "Bearer")
 		userID, known := s.apiKeys[strings.TrimSpace(apiKey)]
 		if !ok || !known {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="retrysafe"`)
@@ -199,7 +209,7 @@ func writeAPIResponse(w http.ResponseWriter, response apiResponse) {
 func idempotencyKeyFrom(r *http.Request) (string, *problem) {
 	values := r.Header.Values("Idempotency-Key")
 	if len(values) > 1 {
-		return "", &problem{Type: problemKeyMissing, Title: "Invalid Idempotency-Key", Status: 400,
+		return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
 			Detail: "send exactly one Idempotency-Key header"}
 	}
 	key := ""
@@ -214,12 +224,12 @@ func idempotencyKeyFrom(r *http.Request) (string, *problem) {
 		return "", &problem{Type: problemKeyMissing, Title: "Missing Idempotency-Key", Status: 400,
 			Detail: "this request needs an Idempotency-Key header"}
 	case len(key) > maxKeyLength:
-		return "", &problem{Type: problemKeyMissing, Title: "Invalid Idempotency-Key", Status: 400,
+		return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
 			Detail: fmt.Sprintf("Idempotency-Key is %d characters; the limit is %d", len(key), maxKeyLength)}
 	}
 	for _, c := range []byte(key) {
 		if c < 0x20 || c > 0x7e {
-			return "", &problem{Type: problemKeyMissing, Title: "Invalid Idempotency-Key", Status: 400,
+			return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
 				Detail: "Idempotency-Key must be printable ASCII"}
 		}
 	}
@@ -379,6 +389,10 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	case errors.Is(err, errKeyReused):
 		writeProblem(w, problem{Type: problemKeyReused, Title: "Idempotency key reused", Status: http.StatusUnprocessableEntity,
 			Detail: "this Idempotency-Key was used with a different request; nothing was done"})
+	case errors.Is(err, errPaymentPending):
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, problem{Type: problemPaymentPending, Title: "Payment in progress", Status: http.StatusConflict,
+			Detail: "the order is not paid yet; nothing was stored, retry with the same Idempotency-Key"})
 	case errors.Is(err, errKeyInProgress):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemKeyInProgress, Title: "Request in progress", Status: http.StatusConflict,

@@ -63,11 +63,12 @@ func TestHTTPCreateOrder(t *testing.T) {
 			mutateReq func(*http.Request)
 		}{
 			{name: "NoAPIKey", key: "k", body: body, status: 401, problem: problemUnauthorized},
+			{name: "NotBearer", apiKey: "Basic " + keyUser42, key: "k", body: body, status: 401, problem: problemUnauthorized},
 			{name: "UnknownAPIKey", apiKey: "sk_nope", key: "k", body: body, status: 401, problem: problemUnauthorized},
 			{name: "NoIdempotencyKey", apiKey: keyUser42, body: body, status: 400, problem: problemKeyMissing},
-			{name: "KeyTooLong", apiKey: keyUser42, key: strings.Repeat("k", 256), body: body, status: 400, problem: problemKeyMissing},
-			{name: "KeyNotASCII", apiKey: keyUser42, key: "kéy", body: body, status: 400, problem: problemKeyMissing},
-			{name: "KeyWithTab", apiKey: keyUser42, key: "k\ty", body: body, status: 400, problem: problemKeyMissing},
+			{name: "KeyTooLong", apiKey: keyUser42, key: strings.Repeat("k", 256), body: body, status: 400, problem: problemKeyInvalid},
+			{name: "KeyNotASCII", apiKey: keyUser42, key: "kéy", body: body, status: 400, problem: problemKeyInvalid},
+			{name: "KeyWithTab", apiKey: keyUser42, key: "k\ty", body: body, status: 400, problem: problemKeyInvalid},
 			{name: "InvalidJSON", apiKey: keyUser42, key: "k", body: `{"amount_cents":`, status: 400, problem: problemValidation},
 			{name: "UnknownField", apiKey: keyUser42, key: "k", body: strings.Replace(body, `{`, `{"coupon":"x",`, 1), status: 400, problem: problemValidation},
 			{name: "WrongType", apiKey: keyUser42, key: "k", body: strings.Replace(body, `5000`, `"5000"`, 1), status: 400, problem: problemValidation},
@@ -88,7 +89,9 @@ func TestHTTPCreateOrder(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tt.apiKey != "" {
+			if strings.HasPrefix(tt.apiKey, "Basic ") {
+				req.Header.Set("Authorization", tt.apiKey)
+			} else if tt.apiKey != "" {
 				req.Header.Set("Authorization", "Bearer "+tt.apiKey)
 			}
 			if tt.key != "" {
@@ -229,7 +232,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 		if got := call(t, ts, "GET", "/healthz", "", "", ""); got.Status != 200 {
 			t.Fatalf("healthz %d", got.Status)
 		}
-		if got := call(t, ts, "DELETE", "/api/orders", keyUser42, "", ""); got.Status != 405 || problemTypeOf(t, got) != problemMethodNotAllowed {
+		if got := call(t, ts, "DELETE", "/api/orders", keyUser42, "", ""); got.Status != 405 || problemTypeOf(t, got) != problemMethodNotAllowed || got.Header.Get("Allow") != "POST" {
 			t.Fatalf("DELETE got %d %s", got.Status, got.Body)
 		}
 		if got := call(t, ts, "GET", "/nope", "", "", ""); got.Status != 404 || problemTypeOf(t, got) != problemNotFound {

@@ -126,8 +126,21 @@ func (s *server) handleProcessorWebhook(w http.ResponseWriter, r *http.Request) 
 	}
 	// Applied, duplicate and poison are all acknowledged: the processor
 	// must stop retrying, and poison is kept for an operator.
-	w.Header().Set("Content-Type", "application/json")
-	fmt.Fprintf(w, `{"received":true,"outcome":%q}`+"\n", result.Outcome)
+	replyFields := struct {
+		Received bool         `json:"received"`
+		Outcome  inboxOutcome `json:"outcome"`
+		Error    string       `json:"error,omitempty"`
+	}{Received: true, Outcome: result.Outcome}
+	if result.Outcome == inboxPoison {
+		replyFields.Error = result.Err.Error()
+		s.logger.Warn("poison webhook", "event_id", event.ID, "type", event.Type, "error", result.Err)
+	}
+	reply, err := json.Marshal(replyFields)
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("encode webhook reply: %w", err))
+		return
+	}
+	writeAPIResponse(w, apiResponse{Status: http.StatusOK, Body: reply})
 }
 
 // receiveProcessorEvent applies a processor event through the inbox.
