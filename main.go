@@ -13,6 +13,7 @@
 //	retrysafe inspect   print the tables
 //	retrysafe cleanup   delete expired keys and old delivered messages
 //	retrysafe check     audit a database: nothing twice, nothing lost
+//	retrysafe chaos     kill processes at random under load, then audit
 //	retrysafe sign-webhook BODY   print the signature header for a webhook
 package main
 
@@ -70,6 +71,7 @@ func newRootCommand() *cobra.Command {
 		newCleanupCommand(),
 		newSignWebhookCommand(),
 		newCheckCommand(),
+		newChaosCommand(),
 	)
 	return root
 }
