@@ -86,6 +86,8 @@ type App struct {
 	fault faultHook
 	// leases are the lease durations; see leaseTimes.
 	leases leaseTimes
+	// group, if set, commits API writes in groups (durabilityFull).
+	group *groupCommitter
 }
 
 // newApp returns an App over db. clock, ids and fault may be nil for the

@@ -65,30 +65,38 @@ func (b *Broker) subscribe(ctx context.Context, subscriber string, subjects ...s
 // broker_messages.duplicates): that is the broker's half of absorbing a relay
 // that publishes twice.
 func (b *Broker) publish(ctx context.Context, msg message) error {
+	return b.publishBatch(ctx, []message{msg})
+}
+
+// publishBatch publishes msgs together, all or none, as a client that sends
+// a batch and waits for every acknowledgement would.
+func (b *Broker) publishBatch(ctx context.Context, msgs []message) error {
 	if err := b.fault.at(ctx, faultPublish); err != nil {
 		return err
 	}
 	return withTx(ctx, b.db, func(tx *sql.Tx) error {
 		now := formatTime(b.now())
-		var seq int64
-		err := tx.QueryRowContext(ctx, `
-			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
-			ON CONFLICT (message_id) DO UPDATE SET duplicates = duplicates + 1
-			RETURNING seq, duplicates`,
-			msg.ID, msg.Subject, msg.Payload, now,
-		).Scan(&seq, new(int))
-		if err != nil {
-			return fmt.Errorf("publish %s: %w", msg.ID, err)
-		}
-		// Queue deliveries only for a message we had not seen; for a
-		// duplicate the DO NOTHING keeps what is already queued.
-		_, err = tx.ExecContext(ctx, `
-			INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
-			SELECT subscriber, ?, 'pending', ? FROM broker_subscriptions WHERE subject = ?
-			ON CONFLICT (subscriber, message_seq) DO NOTHING`,
-			seq, now, msg.Subject)
-		if err != nil {
-			return fmt.Errorf("queue deliveries of %s: %w", msg.ID, err)
+		for _, msg := range msgs {
+			var seq int64
+			err := tx.QueryRowContext(ctx, `
+				INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
+				ON CONFLICT (message_id) DO UPDATE SET duplicates = duplicates + 1
+				RETURNING seq`,
+				msg.ID, msg.Subject, msg.Payload, now,
+			).Scan(&seq)
+			if err != nil {
+				return fmt.Errorf("publish %s: %w", msg.ID, err)
+			}
+			// For a duplicate, DO NOTHING keeps the deliveries already queued
+			// (and acked) as they are.
+			_, err = tx.ExecContext(ctx, `
+				INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
+				SELECT subscriber, ?, 'pending', ? FROM broker_subscriptions WHERE subject = ?
+				ON CONFLICT (subscriber, message_seq) DO NOTHING`,
+				seq, now, msg.Subject)
+			if err != nil {
+				return fmt.Errorf("queue deliveries of %s: %w", msg.ID, err)
+			}
 		}
 		return nil
 	})
@@ -142,14 +150,26 @@ func (b *Broker) fetch(ctx context.Context, subscriber string, max int) ([]deliv
 	return deliveries, nil
 }
 
-// ack tells the broker d was handled: it is not delivered again.
-func (b *Broker) ack(ctx context.Context, d delivery) error {
+// ack tells the broker these deliveries were handled: they are not
+// delivered again. One statement acks a whole batch.
+func (b *Broker) ack(ctx context.Context, deliveries ...delivery) error {
+	if len(deliveries) == 0 {
+		return nil
+	}
+	seqs := make([]any, 0, len(deliveries)+2)
+	seqs = append(seqs, formatTime(b.now()), deliveries[0].Subscriber)
+	for _, d := range deliveries {
+		if d.Subscriber != deliveries[0].Subscriber {
+			return fmt.Errorf("bug: one ack for two subscribers (%s, %s)", deliveries[0].Subscriber, d.Subscriber)
+		}
+		seqs = append(seqs, d.Seq)
+	}
 	_, err := b.db.ExecContext(ctx, `
 		UPDATE broker_deliveries SET status = 'acked', acked_at = ?
-		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'`,
-		formatTime(b.now()), d.Subscriber, d.Seq)
+		WHERE subscriber = ? AND status = 'pending' AND message_seq IN (`+placeholders(len(deliveries))+`)`,
+		seqs...)
 	if err != nil {
-		return fmt.Errorf("ack %s for %s: %w", d.ID, d.Subscriber, err)
+		return fmt.Errorf("ack %d deliveries for %s: %w", len(deliveries), deliveries[0].Subscriber, err)
 	}
 	return nil
 }

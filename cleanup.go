@@ -33,8 +33,8 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	retainedSince := formatTime(now.Add(-messageRetention))
 	var err error
 	result.Keys, err = a.deleteInBatches(ctx, `
-		DELETE FROM idempotency_keys WHERE rowid IN (
-			SELECT rowid FROM idempotency_keys
+		DELETE FROM idempotency_keys WHERE (user_id, idempotency_key) IN (
+			SELECT user_id, idempotency_key FROM idempotency_keys
 			WHERE expires_at <= ? AND recovery_point = 'finished' LIMIT ?)`, formatTime(now))
 	if err != nil {
 		return result, fmt.Errorf("delete expired keys: %w", err)
@@ -61,8 +61,8 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 		return result, fmt.Errorf("delete delivered messages: %w", err)
 	}
 	result.InboxMessages, err = a.deleteInBatches(ctx, `
-		DELETE FROM inbox_messages WHERE rowid IN (
-			SELECT rowid FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?)`, retainedSince)
+		DELETE FROM inbox_messages WHERE (consumer, message_id) IN (
+			SELECT consumer, message_id FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete old inbox rows: %w", err)
 	}

@@ -49,21 +49,57 @@ var sqlitePragmas = []string{
 	"busy_timeout(10000)",
 	// SQLite does not check foreign keys unless asked, per connection.
 	"foreign_keys(1)",
-	// In WAL mode NORMAL never corrupts the file and survives a process
-	// crash; a power loss may lose the last few commits. FULL fsyncs every
-	// commit.
-	"synchronous(NORMAL)",
 }
 
-// openDB opens (creating if needed) the SQLite file at path and migrates it
-// to the schema embedded in schema.sql.
+// durability is how far a commit has got when it returns.
+type durability string
+
+const (
+	// durabilityNormal (synchronous=NORMAL, the default): in WAL mode a
+	// commit is in the operating system's hands. It survives any process
+	// crash and never corrupts the file; a power loss or kernel panic may
+	// lose the last commits since the previous checkpoint. For most services
+	// that is the right trade: it costs no fsync per commit.
+	durabilityNormal durability = "normal"
+	// durabilityFull (synchronous=FULL): a commit has been fsynced to the
+	// disk. One fsync per commit caps a serial writer near what the disk
+	// allows (a few thousand per second), so the API gathers concurrent
+	// requests into one commit (see groupcommit.go).
+	durabilityFull durability = "full"
+)
+
+// parseDurability reads a --durability value.
+func parseDurability(s string) (durability, error) {
+	switch durability(s) {
+	case durabilityNormal, durabilityFull:
+		return durability(s), nil
+	default:
+		return "", fmt.Errorf("durability %q: want normal or full", s)
+	}
+}
+
+// openDB opens (creating if needed) the SQLite file at path with the
+// default durability and migrates it to the schema embedded in schema.sql.
 func openDB(ctx context.Context, path string) (*sql.DB, error) {
+	return openDBWith(ctx, path, durabilityNormal)
+}
+
+// openDBWith is openDB with a chosen durability.
+func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error) {
 	if path == "" {
 		return nil, errors.New("database path is empty")
 	}
 	query := url.Values{}
 	for _, pragma := range sqlitePragmas {
 		query.Add("_pragma", pragma)
+	}
+	switch d {
+	case durabilityNormal:
+		query.Add("_pragma", "synchronous(NORMAL)")
+	case durabilityFull:
+		query.Add("_pragma", "synchronous(FULL)")
+	default:
+		return nil, fmt.Errorf("bug: unhandled durability %q", d)
 	}
 	// Every transaction starts with BEGIN IMMEDIATE: it takes the write lock
 	// up front, so a transaction that reads and then writes never fails with

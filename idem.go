@@ -192,6 +192,24 @@ func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point rec
 	return nil
 }
 
+// insertCompletedKey writes a key with its definitive answer in one
+// statement, for work that runs inside the claiming transaction.
+func insertCompletedKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, response apiResponse, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
+		INSERT INTO idempotency_keys
+			(user_id, idempotency_key, request_method, request_path, request_hash, request_params,
+			 status, recovery_point, response_status, response_body, response_location, created_at, expires_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		req.UserID, req.IdempotencyKey, req.Method, req.Path, req.fingerprint(), req.CanonicalBody,
+		keyCompleted, recoveryFinished, response.Status, response.Body, response.Location,
+		formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
+	)
+	if err != nil {
+		return fmt.Errorf("insert idempotency key: %w", err)
+	}
+	return nil
+}
+
 // completeKey stores the definitive answer on the key and releases it. From
 // now on every retry replays response.
 func completeKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, response apiResponse) error {
@@ -230,11 +248,14 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 //   - a concurrent duplicate waits for the write lock, then finds the
 //     completed key and replays it.
 //
+// (writeTx is withTx, unless --durability=full gathers concurrent requests
+// into one commit; see groupcommit.go.)
+//
 // Returns errKeyReused if the key belongs to another request. order must be
 // valid (see decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
 	var response apiResponse
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := a.writeTx(ctx, func(tx *sql.Tx) error {
 		now := a.now()
 		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {
@@ -254,9 +275,9 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 			return err
 		}
 
-		if err := insertKey(ctx, tx, req, recoveryStarted, sql.NullString{}, now); err != nil {
-			return err
-		}
+		// The key is ours now: no other writer can claim it until this
+		// transaction ends, because BEGIN IMMEDIATE holds the write lock.
+		// Its row is written once, with the response, at the end.
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err
 		}
@@ -298,7 +319,7 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 			return fmt.Errorf("encode order: %w", err)
 		}
 		response = apiResponse{Status: 201, Body: body, Location: "/api/orders/" + newOrder.OrderID}
-		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, response)
+		return insertCompletedKey(ctx, tx, req, response, now)
 	})
 	if err != nil {
 		return apiResponse{}, err

@@ -183,6 +183,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		return nil, err
 	}
 	var results []receiveResult
+	var handled []delivery
 	for _, d := range deliveries {
 		result, err := a.receive(ctx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
 			return c.apply(ctx, tx, d.message)
@@ -200,9 +201,12 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		if err := a.fault.at(ctx, faultAfterEffect); err != nil {
 			return results, err
 		}
-		if err := a.broker.ack(ctx, d); err != nil {
-			return results, err
-		}
+		handled = append(handled, d)
+	}
+	// The acks of a batch go together; a crash before them only means the
+	// broker delivers the batch again, and the inbox skips it.
+	if err := a.broker.ack(ctx, handled...); err != nil {
+		return results, err
 	}
 	return results, nil
 }

@@ -102,7 +102,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr string
+	var dbPath, addr, durabilityFlag string
 	var workers bool
 	var leaseScale float64
 	cmd := &cobra.Command{
@@ -110,12 +110,18 @@ func newServeCommand() *cobra.Command {
 		Short: "Serve the HTTP API, and run the workers unless --workers=false",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, leaseScale)
+			d, err := parseDurability(durabilityFlag)
+			if err != nil {
+				return err
+			}
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, leaseScale)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file (created if missing)")
 	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
 	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
+	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
+		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced, and concurrent orders are committed in groups")
 	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
@@ -141,7 +147,7 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, leaseScale float64) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, leaseScale float64) error {
 	if leaseScale <= 0 {
 		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
 	}
@@ -157,15 +163,25 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return fmt.Errorf("listen on %s: %w", addr, err)
 	}
 	defer listener.Close()
-	app, err := openApp(ctx, dbPath, nil, nil, nil)
+	db, err := openDBWith(ctx, dbPath, d)
 	if err != nil {
 		return err
 	}
-	defer app.db.Close()
+	defer db.Close()
+	app := newApp(db, nil, nil, nil)
+	if err := app.subscribeConsumers(ctx); err != nil {
+		return err
+	}
 	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
+	groupCtx, stopGroup := context.WithCancel(context.Background())
+	defer stopGroup()
+	if d == durabilityFull {
+		app.group = newGroupCommitter(db)
+		go app.group.run(groupCtx)
+	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s)\n", listener.Addr(), dbPath)
+	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s)\n", listener.Addr(), dbPath, d)
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -183,6 +199,8 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	shutdownErr := httpServer.Shutdown(shutdownCtx)
+	// In-flight requests are done, so nobody waits on a group commit.
+	stopGroup()
 	stopLoops()
 	loops.Wait()
 	logger.Info("stopped")

@@ -181,27 +181,33 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	if err != nil {
 		return 0, err
 	}
-	var published []outboxEvent
-	for _, event := range events {
-		err := a.broker.publish(ctx, message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload})
-		if errors.Is(err, errCrash) {
-			return 0, err
-		}
-		if err != nil {
+	if len(events) == 0 {
+		return 0, nil
+	}
+	msgs := make([]message, len(events))
+	for i, event := range events {
+		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload}
+	}
+	// One batch: a broker round trip per batch, not per event.
+	err = a.broker.publishBatch(ctx, msgs)
+	if errors.Is(err, errCrash) {
+		return 0, err
+	}
+	if err != nil {
+		for _, event := range events {
 			if err := a.recordPublishFailure(ctx, relayID, event, err); err != nil {
 				return 0, err
 			}
-			continue
 		}
-		if err := a.fault.at(ctx, faultAfterPublish); err != nil {
-			return 0, err
-		}
-		published = append(published, event)
+		return 0, nil
 	}
-	if err := a.markPublished(ctx, relayID, published); err != nil {
+	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
 		return 0, err
 	}
-	return len(published), nil
+	if err := a.markPublished(ctx, relayID, events); err != nil {
+		return 0, err
+	}
+	return len(events), nil
 }
 
 // markPublished marks events published, in one transaction for the batch.

@@ -27,6 +27,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -146,13 +147,17 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
 	}
+	// Every step starts pending: it is marked done only with its effect.
+	values := make([]string, len(steps))
+	args := make([]any, 0, 4*len(steps))
 	for index, name := range steps {
-		_, err := tx.ExecContext(ctx, `
-			INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES (?, ?, ?, ?)`,
-			sagaID, index, name, stepPending)
-		if err != nil {
-			return fmt.Errorf("insert saga step %s: %w", name, err)
-		}
+		values[index] = "(?, ?, ?, ?)"
+		args = append(args, sagaID, index, name, stepPending)
+	}
+	_, err = tx.ExecContext(ctx, `
+		INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES `+strings.Join(values, ", "), args...)
+	if err != nil {
+		return fmt.Errorf("insert saga steps: %w", err)
 	}
 	return nil
 }

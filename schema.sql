@@ -44,7 +44,7 @@ CREATE TABLE idempotency_keys (
     -- deletes it. The article wrote it and never looked at it again.
     expires_at      TEXT NOT NULL,
     PRIMARY KEY (user_id, idempotency_key)
-);
+) WITHOUT ROWID; -- the key is how every row is found: store rows in its b-tree
 CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);
 -- The completer looks for unfinished multi-phase keys; they are few.
 CREATE INDEX idempotency_keys_unfinished ON idempotency_keys (locked_at)
@@ -67,7 +67,6 @@ CREATE TABLE orders (
     created_at      TEXT NOT NULL,
     updated_at      TEXT NOT NULL
 );
-CREATE INDEX orders_user_id ON orders (user_id, created_at);
 CREATE INDEX orders_idempotency_key ON orders (user_id, idempotency_key);
 
 -- refunds are the order service's own record of money it asked the processor
@@ -95,10 +94,12 @@ CREATE INDEX refunds_order_id ON refunds (order_id);
 -- it announces, so there is never an order nobody heard of nor an event for an
 -- order that does not exist. The relay publishes them later.
 --
--- seq is the rowid: publication order. event_id stays the article's key and is
--- the message id end to end (broker dedupe, inbox).
+-- seq is the rowid: publication order (a new row always gets a seq above every
+-- existing one; AUTOINCREMENT would cost a write per insert for nothing).
+-- event_id stays the article's key and is the message id end to end (broker
+-- dedupe, inbox).
 CREATE TABLE outbox_events (
-    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq             INTEGER PRIMARY KEY,
     event_id        TEXT NOT NULL UNIQUE,
     event_type      TEXT NOT NULL,
     aggregate_id    TEXT NOT NULL,
@@ -133,7 +134,7 @@ CREATE TABLE broker_subscriptions (
     PRIMARY KEY (subscriber, subject)
 );
 CREATE TABLE broker_messages (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          INTEGER PRIMARY KEY,
     message_id   TEXT NOT NULL UNIQUE,
     subject      TEXT NOT NULL,
     payload      TEXT NOT NULL,
@@ -170,7 +171,7 @@ CREATE TABLE inbox_messages (
     duplicates     INTEGER NOT NULL DEFAULT 0,
     processed_at   TEXT NOT NULL,
     PRIMARY KEY (consumer, message_id)
-);
+) WITHOUT ROWID; -- rows are found by their key only
 CREATE INDEX inbox_messages_processed_at ON inbox_messages (processed_at);
 
 -- saga_instances is the fulfilment saga's state machine, one per order.
@@ -210,7 +211,7 @@ CREATE TABLE saga_steps (
     done_at        TEXT,
     compensated_at TEXT,
     PRIMARY KEY (saga_id, step_index)
-);
+) WITHOUT ROWID; -- rows are found by their key only
 
 -- stock_items is the warehouse: available + reserved + sold always equals
 -- stocked.

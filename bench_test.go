@@ -1,0 +1,417 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// benchApp returns an App on the wall clock over a new database.
+func benchApp(b *testing.B, d durability) *App {
+	b.Helper()
+	db, err := openDBWith(context.Background(), filepath.Join(b.TempDir(), "bench.db"), d)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { db.Close() })
+	app := newApp(db, nil, nil, nil)
+	if err := app.subscribeConsumers(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	return app
+}
+
+// reportOpsPerSecond reports b.N per second, which reads better than ns/op
+// next to the targets.
+func reportOpsPerSecond(b *testing.B, unit string) {
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), unit)
+}
+
+// benchOrder is the order every create benchmark sends.
+var benchOrder = orderRequest{AmountCents: 5000, Currency: "usd", Items: []orderItem{{SKU: "sku-1", Qty: 2}}, PaymentMethod: pmCardVisa}
+
+// benchRequest returns the idempotent request of the i-th benchmark order.
+func benchRequest(prefix string, i int) idempotentRequest {
+	return idempotentRequest{
+		UserID:         "user-42",
+		IdempotencyKey: prefix + strconv.Itoa(i),
+		Method:         "POST",
+		Path:           "/api/orders",
+		CanonicalBody:  []byte(orderBody(5000, "sku-1", 2, pmCardVisa)),
+	}
+}
+
+// createBare writes an order and its outbox event, with no idempotency: the
+// ceiling for createOrder.
+func createBare(ctx context.Context, app *App) error {
+	return withTx(ctx, app.db, func(tx *sql.Tx) error {
+		now := app.now()
+		order := orderRow{OrderID: app.newID("ord"), UserID: "user-42", AmountCents: 5000, Currency: "usd",
+			Items: benchOrder.Items, PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: formatTime(now)}
+		if err := insertOrder(ctx, tx, order); err != nil {
+			return err
+		}
+		event, err := app.newOutboxEvent(eventOrderCreated, order.OrderID, orderCreatedPayload{OrderID: order.OrderID})
+		if err != nil {
+			return err
+		}
+		return insertOutboxEvent(ctx, tx, event, now)
+	})
+}
+
+// createThreeTransactions is the article sample's shape: claim the key, do
+// the work, store the result, each in its own transaction. (A crash between
+// them leaves the key stuck; here it only serves as the baseline.)
+func createThreeTransactions(ctx context.Context, app *App, req idempotentRequest) error {
+	now := app.now()
+	err := withTx(ctx, app.db, func(tx *sql.Tx) error {
+		if _, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now); err != errKeyNotFound {
+			return fmt.Errorf("key exists: %v", err)
+		}
+		return insertKey(ctx, tx, req, recoveryStarted, sql.NullString{}, now)
+	})
+	if err != nil {
+		return err
+	}
+	if err := createBare(ctx, app); err != nil {
+		return err
+	}
+	return withTx(ctx, app.db, func(tx *sql.Tx) error {
+		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, apiResponse{Status: 201, Body: []byte(`{}`)})
+	})
+}
+
+func BenchmarkCreateOrder(b *testing.B) {
+	ctx := context.Background()
+	for _, d := range []durability{durabilityNormal, durabilityFull} {
+		b.Run(string(d)+"/bare", func(b *testing.B) {
+			app := benchApp(b, d)
+			for b.Loop() {
+				if err := createBare(ctx, app); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportOpsPerSecond(b, "orders/s")
+		})
+		b.Run(string(d)+"/atomic", func(b *testing.B) {
+			app := benchApp(b, d)
+			i := 0
+			for b.Loop() {
+				i++
+				if _, err := app.createOrder(ctx, benchRequest("k", i), benchOrder); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportOpsPerSecond(b, "orders/s")
+		})
+		b.Run(string(d)+"/three-transactions", func(b *testing.B) {
+			app := benchApp(b, d)
+			i := 0
+			for b.Loop() {
+				i++
+				if err := createThreeTransactions(ctx, app, benchRequest("k", i)); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportOpsPerSecond(b, "orders/s")
+		})
+	}
+}
+
+func BenchmarkReplay(b *testing.B) {
+	ctx := context.Background()
+	app := benchApp(b, durabilityNormal)
+	req := benchRequest("k", 1)
+	if _, err := app.createOrder(ctx, req, benchOrder); err != nil {
+		b.Fatal(err)
+	}
+	for b.Loop() {
+		response, err := app.createOrder(ctx, req, benchOrder)
+		if err != nil || !response.Replayed {
+			b.Fatalf("got %v, %v; want a replay", response.Replayed, err)
+		}
+	}
+	reportOpsPerSecond(b, "replays/s")
+}
+
+// fillOutbox writes n pending OrderCreated events, each for its own order,
+// in one statement.
+func fillOutbox(b *testing.B, app *App, n int) {
+	b.Helper()
+	now := formatTime(app.now())
+	_, err := app.db.Exec(`
+		WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?)
+		INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at)
+		SELECT 'evt_bench_' || n, 'BenchEvent', 'ord_bench_' || n, '{"n":' || n || '}', 'pending', ?, ? FROM i`,
+		n, now, now)
+	if err != nil {
+		b.Fatal(err)
+	}
+}
+
+func BenchmarkRelay(b *testing.B) {
+	ctx := context.Background()
+	for _, batch := range []int{1, 16, 128} {
+		b.Run("batch-"+strconv.Itoa(batch), func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			fillOutbox(b, app, b.N)
+			b.ResetTimer()
+			published := 0
+			for published < b.N {
+				n, err := app.relayOnce(ctx, "bench-relay", batch)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if n == 0 {
+					b.Fatalf("relay stopped at %d of %d", published, b.N)
+				}
+				published += n
+			}
+			reportOpsPerSecond(b, "events/s")
+		})
+	}
+}
+
+// fillDeliveries creates n orders whose OrderCreated messages wait for the
+// payment service in the broker.
+func fillDeliveries(b *testing.B, app *App, n int) {
+	b.Helper()
+	now := formatTime(app.now())
+	statements := []string{
+		`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, created_at, updated_at)
+		 SELECT 'ord_bench_' || n, 'user-42', 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'created', ?2, ?2 FROM i`,
+		`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO broker_messages (message_id, subject, payload, published_at)
+		 SELECT 'evt_bench_' || n, 'OrderCreated', '{"order_id":"ord_bench_' || n || '"}', ?2 FROM i`,
+		`INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
+		 SELECT 'payment-svc', seq, 'pending', ?2 FROM broker_messages WHERE ?1 > 0`,
+	}
+	for _, statement := range statements {
+		if _, err := app.db.Exec(statement, n, now); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkConsume(b *testing.B) {
+	ctx := context.Background()
+	app := benchApp(b, durabilityNormal)
+	fillDeliveries(b, app, b.N)
+	payments := app.consumers()[0]
+	b.ResetTimer()
+	consumed := 0
+	for consumed < b.N {
+		results, err := app.consumeOnce(ctx, payments, consumeBatchSize)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if len(results) == 0 {
+			b.Fatalf("consumer stopped at %d of %d", consumed, b.N)
+		}
+		consumed += len(results)
+	}
+	reportOpsPerSecond(b, "deliveries/s")
+}
+
+func BenchmarkHTTP(b *testing.B) {
+	app := benchApp(b, durabilityNormal)
+	s := &server{app: app, apiKeys: map[string]string{keyUser42: "user-42"}, webhookSecret: []byte(testWebhookSecret),
+		logger: discardLogger()}
+	ts := httptest.NewServer(s.routes())
+	defer ts.Close()
+	transport := &http.Transport{MaxIdleConnsPerHost: 64}
+	client := &http.Client{Transport: transport}
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	var next atomic.Int64
+	b.SetParallelism(4)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			req, err := http.NewRequest("POST", ts.URL+"/api/orders", strings.NewReader(body))
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			req.Header.Set("Authorization", "Bearer "+keyUser42)
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Idempotency-Key", "http-"+strconv.FormatInt(next.Add(1), 10))
+			resp, err := client.Do(req)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusCreated {
+				b.Errorf("got %d", resp.StatusCode)
+				return
+			}
+		}
+	})
+	reportOpsPerSecond(b, "orders/s")
+}
+
+// grownApp is built once per process: an App over a file that already holds
+// a million orders, keys, events and inbox rows.
+var grownApp struct {
+	once sync.Once
+	app  *App
+	err  error
+}
+
+func BenchmarkGrowth(b *testing.B) {
+	const rows = 1_000_000
+	grownApp.once.Do(func() {
+		dir, err := os.MkdirTemp("", "retrysafe-growth-")
+		if err != nil {
+			grownApp.err = err
+			return
+		}
+		db, err := openDB(context.Background(), filepath.Join(dir, "grown.db"))
+		if err != nil {
+			grownApp.err = err
+			return
+		}
+		now := formatTime(time.Now())
+		expires := formatTime(time.Now().Add(idempotencyKeyTTL))
+		for _, statement := range []string{
+			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, idempotency_key, created_at, updated_at)
+			 SELECT 'ord_old_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'paid', 'old-' || n, ?2, ?2 FROM i`,
+			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 INSERT INTO idempotency_keys (user_id, idempotency_key, request_method, request_path, request_hash, request_params, status, recovery_point, response_status, response_body, created_at, expires_at)
+			 SELECT 'user-' || (n % 1000), 'old-' || n, 'POST', '/api/orders', hex(randomblob(32)), '{}', 'completed', 'finished', 201, '{}', ?2, ?3 FROM i`,
+			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
+			 SELECT 'evt_old_' || n, 'OrderCreated', 'ord_old_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`,
+			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
+			 SELECT 'payment-svc', 'evt_old_' || n, 'done', 1, ?2 FROM i`,
+		} {
+			if _, err := db.Exec(statement, rows, now, expires); err != nil {
+				grownApp.err = err
+				return
+			}
+		}
+		grownApp.app = newApp(db, nil, nil, nil)
+	})
+	if grownApp.err != nil {
+		b.Fatal(grownApp.err)
+	}
+	ctx := context.Background()
+	prefix := "grow-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+	i := 0
+	for b.Loop() {
+		i++
+		if _, err := grownApp.app.createOrder(ctx, benchRequest(prefix, i), benchOrder); err != nil {
+			b.Fatal(err)
+		}
+	}
+	reportOpsPerSecond(b, "orders/s")
+}
+
+func BenchmarkDurable(b *testing.B) {
+	ctx := context.Background()
+	const clients = 64
+	for _, grouped := range []bool{false, true} {
+		name := "one-commit-per-request"
+		if grouped {
+			name = "group-commit"
+		}
+		b.Run(name, func(b *testing.B) {
+			app := benchApp(b, durabilityFull)
+			if grouped {
+				groupCtx, stop := context.WithCancel(ctx)
+				defer stop()
+				app.group = newGroupCommitter(app.db)
+				go app.group.run(groupCtx)
+			}
+			var next atomic.Int64
+			b.SetParallelism(clients / max(1, runtimeProcs()))
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if _, err := app.createOrder(ctx, benchRequest("d", int(next.Add(1))), benchOrder); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			reportOpsPerSecond(b, "orders/s")
+		})
+	}
+}
+
+// BenchmarkRelayBacklog drains a million pending events and reports the
+// process's peak resident memory: the relay claims a batch at a time, so a
+// backlog must not be loaded whole.
+func BenchmarkRelayBacklog(b *testing.B) {
+	ctx := context.Background()
+	const backlog = 1_000_000
+	for b.Loop() {
+		b.StopTimer()
+		app := benchApp(b, durabilityNormal)
+		fillOutbox(b, app, backlog)
+		b.StartTimer()
+		drained := 0
+		for {
+			n, err := app.relayOnce(ctx, "bench-relay", relayBatchSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if n == 0 {
+				break
+			}
+			drained += n
+		}
+		if drained != backlog {
+			b.Fatalf("drained %d of %d", drained, backlog)
+		}
+	}
+	b.ReportMetric(float64(backlog*b.N)/b.Elapsed().Seconds(), "events/s")
+	b.ReportMetric(peakRSSMiB(b), "peak-RSS-MiB")
+}
+
+// peakRSSMiB reads the process's peak resident set size from /proc.
+func peakRSSMiB(b *testing.B) float64 {
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		b.Skipf("no /proc/self/status: %v", err)
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if value, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(value), "kB")))
+			if err != nil {
+				b.Fatal(err)
+			}
+			return float64(kb) / 1024
+		}
+	}
+	b.Fatal("no VmHWM in /proc/self/status")
+	return 0
+}
+
+// runtimeProcs is GOMAXPROCS, which RunParallel multiplies by its
+// parallelism to get the number of goroutines.
+func runtimeProcs() int {
+	return runtime.GOMAXPROCS(0)
+}
+
+// discardLogger is a logger that drops everything, so request logs do not
+// skew the HTTP benchmark.
+func discardLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
