@@ -265,21 +265,46 @@ func BenchmarkHTTP(b *testing.B) {
 }
 
 // grownApp is built once per process: an App over a file that already holds
-// a million orders, keys, events and inbox rows.
+// a million orders, keys, events and inbox rows (BenchmarkGrowth).
 var grownApp struct {
 	once sync.Once
+	dir  string
 	app  *App
 	err  error
 }
 
+// TestMain removes the grown database, which outlives single benchmarks.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if grownApp.app != nil {
+		grownApp.app.db.Close()
+	}
+	if grownApp.dir != "" {
+		os.RemoveAll(grownApp.dir)
+	}
+	os.Exit(code)
+}
+
+// BenchmarkGrowth is CreateOrder/normal/atomic on a file that already holds
+// a million orders, keys, events and inbox rows: the cost must not grow
+// with the tables. RETRYSAFE_BENCH_ROWS sets a smaller size, for a quick
+// run.
 func BenchmarkGrowth(b *testing.B) {
-	const rows = 1_000_000
+	rows := 1_000_000
+	if value := os.Getenv("RETRYSAFE_BENCH_ROWS"); value != "" {
+		n, err := strconv.Atoi(value)
+		if err != nil || n <= 0 {
+			b.Fatalf("RETRYSAFE_BENCH_ROWS=%q: want a positive number", value)
+		}
+		rows = n
+	}
 	grownApp.once.Do(func() {
 		dir, err := os.MkdirTemp("", "retrysafe-growth-")
 		if err != nil {
 			grownApp.err = err
 			return
 		}
+		grownApp.dir = dir
 		db, err := openDB(context.Background(), filepath.Join(dir, "grown.db"))
 		if err != nil {
 			grownApp.err = err
@@ -358,9 +383,18 @@ func BenchmarkDurable(b *testing.B) {
 // BenchmarkRelayBacklog drains a million pending events and reports the
 // process's peak resident memory: the relay claims a batch at a time, so a
 // backlog must not be loaded whole.
+//
+// RETRYSAFE_BENCH_BACKLOG sets a smaller backlog, for a quick run.
 func BenchmarkRelayBacklog(b *testing.B) {
 	ctx := context.Background()
-	const backlog = 1_000_000
+	backlog := 1_000_000
+	if value := os.Getenv("RETRYSAFE_BENCH_BACKLOG"); value != "" {
+		n, err := strconv.Atoi(value)
+		if err != nil || n <= 0 {
+			b.Fatalf("RETRYSAFE_BENCH_BACKLOG=%q: want a positive number", value)
+		}
+		backlog = n
+	}
 	for b.Loop() {
 		b.StopTimer()
 		app := benchApp(b, durabilityNormal)

@@ -112,10 +112,16 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
-	// Writers queue on SQLite's single write lock anyway; a few connections
-	// let readers go on in parallel without opening one per goroutine.
-	db.SetMaxOpenConns(8)
-	db.SetMaxIdleConns(8)
+	// One connection per process. SQLite has one writer at a time anyway;
+	// with several connections, goroutines that want the write lock wait in
+	// SQLite's busy handler, which sleeps for milliseconds between tries.
+	// With one, they queue in database/sql and get the connection the
+	// moment it is free (this doubled HTTP throughput; see BENCHMARKS.md).
+	// Other processes on the same file still wait through busy_timeout.
+	// The price: nothing may use db while it holds a transaction or an open
+	// Rows, or it waits for itself.
+	db.SetMaxOpenConns(1)
+	db.SetMaxIdleConns(1)
 	db.SetConnMaxIdleTime(time.Minute)
 
 	if err := migrate(ctx, db); err != nil {
