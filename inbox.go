@@ -98,46 +98,43 @@ type receiveResult struct {
 	Err error
 }
 
-// receive applies a message at most once for consumerName. The inbox row is
-// inserted first, in the same transaction as the effect: if it is already
-// there, the message is a duplicate and apply does not run. Two concurrent
-// deliveries of one message serialize on the write lock; the second sees the
-// first's row.
-//
-// A permanent failure, or a transient one on the maxDeliveries-th delivery,
-// records the message as poison (for this consumer only). Returns an error
-// only when the process must stop (errCrash) or the inbox could not be read.
+// receive applies one message in a transaction of its own; see receiveIn.
 func (a *App) receive(ctx context.Context, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
-	result := receiveResult{MessageID: messageID}
+	var result receiveResult
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
-		inserted, err := tx.ExecContext(ctx, `
-			INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
-			VALUES (?, ?, 'done', ?, ?)
-			ON CONFLICT (consumer, message_id) DO NOTHING`,
-			consumerName, messageID, deliveryCount, formatTime(a.now()))
-		if err != nil {
-			return fmt.Errorf("insert inbox message: %w", err)
-		}
-		n, err := inserted.RowsAffected()
-		if err != nil {
-			return fmt.Errorf("insert inbox message: %w", err)
-		}
-		if n == 0 {
-			result.Outcome = inboxDuplicate
-			_, err := tx.ExecContext(ctx, `
-				UPDATE inbox_messages SET duplicates = duplicates + 1 WHERE consumer = ? AND message_id = ?`,
-				consumerName, messageID)
-			if err != nil {
-				return fmt.Errorf("count duplicate: %w", err)
-			}
-			return nil
-		}
-		if err := apply(tx); err != nil {
-			return err
-		}
-		result.Outcome = inboxApplied
-		return nil
+		var err error
+		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, apply)
+		return err
 	})
+	return result, err
+}
+
+// receiveIn applies a message at most once for consumerName, in tx. The
+// inbox row is inserted first, in the same transaction as the effect: if it
+// is already there, the message is a duplicate and apply does not run. Two
+// concurrent deliveries of one message serialize on the write lock; the
+// second sees the first's row.
+//
+// The message runs in its own SAVEPOINT, so a consumer can put a whole batch
+// in one transaction and a failing message undoes only its own writes. A
+// permanent failure, or a transient one on the maxDeliveries-th delivery,
+// records the message as poison (for this consumer only). Returns an error
+// only when the process must stop (errCrash) or the inbox could not be
+// written; the caller's transaction must then roll back.
+func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+	result := receiveResult{MessageID: messageID}
+	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
+		return result, fmt.Errorf("savepoint: %w", err)
+	}
+	err := recordAndApply(ctx, tx, consumerName, messageID, deliveryCount, a.now(), apply, &result)
+	if err != nil {
+		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
+			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+		}
+	}
+	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {
+		return result, fmt.Errorf("release savepoint: %w", releaseErr)
+	}
 	switch {
 	case err == nil:
 		return result, nil
@@ -146,7 +143,7 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 	case isPermanent(err) || deliveryCount >= maxDeliveries:
 		result.Outcome = inboxPoison
 		result.Err = err
-		return result, a.recordPoison(ctx, consumerName, messageID, deliveryCount, err)
+		return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, err, a.now())
 	default:
 		result.Outcome = inboxRetry
 		result.Err = err
@@ -154,14 +151,46 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 	}
 }
 
+// recordAndApply inserts the inbox row and, if it is new, applies the
+// message; a conflict means the message was applied before.
+func recordAndApply(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, now time.Time, apply func(tx *sql.Tx) error, result *receiveResult) error {
+	inserted, err := tx.ExecContext(ctx, `
+		INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
+		VALUES (?, ?, 'done', ?, ?)
+		ON CONFLICT (consumer, message_id) DO NOTHING`,
+		consumerName, messageID, deliveryCount, formatTime(now))
+	if err != nil {
+		return fmt.Errorf("insert inbox message: %w", err)
+	}
+	n, err := inserted.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("insert inbox message: %w", err)
+	}
+	if n == 0 {
+		result.Outcome = inboxDuplicate
+		_, err := tx.ExecContext(ctx, `
+			UPDATE inbox_messages SET duplicates = duplicates + 1 WHERE consumer = ? AND message_id = ?`,
+			consumerName, messageID)
+		if err != nil {
+			return fmt.Errorf("count duplicate: %w", err)
+		}
+		return nil
+	}
+	if err := apply(tx); err != nil {
+		return err
+	}
+	result.Outcome = inboxApplied
+	return nil
+}
+
 // recordPoison records a message this consumer gives up on. If a concurrent
 // delivery applied it after all, that record stands.
-func (a *App) recordPoison(ctx context.Context, consumerName, messageID string, deliveryCount int, cause error) error {
-	_, err := a.db.ExecContext(ctx, `
+func recordPoison(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, cause error, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `
 		INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at)
 		VALUES (?, ?, 'poison', ?, ?, ?)
 		ON CONFLICT (consumer, message_id) DO NOTHING`,
-		consumerName, messageID, cause.Error(), deliveryCount, formatTime(a.now()))
+		consumerName, messageID, cause.Error(), deliveryCount, formatTime(now))
 	if err != nil {
 		return fmt.Errorf("record poison message %s for %s: %w", messageID, consumerName, err)
 	}
@@ -175,24 +204,36 @@ func consumeBackoff(deliveryCount int) time.Duration {
 }
 
 // consumeOnce fetches one batch for c and puts each message through the
-// inbox. Applied, duplicate and poison messages are acked; messages that
-// failed transiently are not, and come back after consumeBackoff.
+// inbox, all in one transaction with a savepoint per message: one commit
+// per batch. Applied, duplicate and poison messages are then acked;
+// messages that failed transiently are not, and come back after
+// consumeBackoff. A crash before the acks only means the broker delivers
+// the batch again, and the inbox skips it.
 func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
 	deliveries, err := a.broker.fetch(ctx, c.name, max)
-	if err != nil {
+	if err != nil || len(deliveries) == 0 {
 		return nil, err
 	}
 	var results []receiveResult
-	var handled []delivery
-	for _, d := range deliveries {
-		result, err := a.receive(ctx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
-			return c.apply(ctx, tx, d.message)
-		})
-		if err != nil {
-			return results, err
+	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
+		results = results[:0]
+		for _, d := range deliveries {
+			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
+				return c.apply(ctx, tx, d.message)
+			})
+			if err != nil {
+				return err
+			}
+			results = append(results, result)
 		}
-		results = append(results, result)
-		if result.Outcome == inboxRetry {
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	var handled []delivery
+	for i, d := range deliveries {
+		if results[i].Outcome == inboxRetry {
 			if err := a.broker.nak(ctx, d, consumeBackoff(d.DeliveryCount)); err != nil {
 				return results, err
 			}
@@ -203,8 +244,6 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 		handled = append(handled, d)
 	}
-	// The acks of a batch go together; a crash before them only means the
-	// broker delivers the batch again, and the inbox skips it.
 	if err := a.broker.ack(ctx, handled...); err != nil {
 		return results, err
 	}
