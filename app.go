@@ -75,7 +75,7 @@ func scaledLeaseTimes(scale float64) leaseTimes {
 // tests and the demo pass a fixed clock, predictable ids and a fault hook.
 type App struct {
 	db        *sql.DB
-	broker    *Broker
+	broker    messageBroker
 	processor *Processor
 
 	// now is the clock; every stored time comes from it.
@@ -102,7 +102,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	leases := scaledLeaseTimes(1)
 	return &App{
 		db:        db,
-		broker:    &Broker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
+		broker:    &embeddedBroker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
 		processor: &Processor{db: db, now: clock, newID: ids, fault: fault},
 		now:       clock,
 		newID:     ids,
@@ -111,10 +111,13 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	}
 }
 
-// setLeaseTimes changes every lease of the App, the broker's ackWait too.
+// setLeaseTimes changes every lease of the App, the embedded broker's
+// ackWait too.
 func (a *App) setLeaseTimes(leases leaseTimes) {
 	a.leases = leases
-	a.broker.ackWait = leases.ackWait
+	if embedded, ok := a.broker.(*embeddedBroker); ok {
+		embedded.ackWait = leases.ackWait
+	}
 }
 
 // newIDs returns an id generator that reads UUID randomness from r: crypto

@@ -17,6 +17,8 @@ import (
 	"fmt"
 	"sort"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // message is what travels through the broker.
@@ -31,13 +33,33 @@ type message struct {
 type delivery struct {
 	message
 	Subscriber string
-	Seq        int64
+	// Seq is the embedded broker's message sequence.
+	Seq int64
 	// DeliveryCount is 1 on the first delivery, more on redeliveries.
 	DeliveryCount int
+	// natsMsg is the JetStream message to ack, with natsBroker.
+	natsMsg jetstream.Msg
 }
 
-// Broker is the embedded broker over the broker_* tables.
-type Broker struct {
+// messageBroker is what the relay and the consumers need from a broker. It
+// has two implementations: embeddedBroker (this file, the default) and
+// natsBroker (natsbroker.go, NATS JetStream).
+type messageBroker interface {
+	// subscribe makes sure subscriber gets every message on subjects.
+	subscribe(ctx context.Context, subscriber string, subjects ...string) error
+	// publishBatch publishes msgs, deduplicated by message id, and returns
+	// once the broker has them all.
+	publishBatch(ctx context.Context, msgs []message) error
+	// fetch hands up to max due messages to subscriber.
+	fetch(ctx context.Context, subscriber string, max int) ([]delivery, error)
+	// ack tells the broker the deliveries were handled.
+	ack(ctx context.Context, deliveries ...delivery) error
+	// nak asks for d again after delay.
+	nak(ctx context.Context, d delivery, delay time.Duration) error
+}
+
+// embeddedBroker is the embedded broker over the broker_* tables.
+type embeddedBroker struct {
 	db    *sql.DB
 	now   func() time.Time
 	fault faultHook
@@ -48,7 +70,7 @@ type Broker struct {
 
 // subscribe makes sure subscriber gets every message on subjects published
 // from now on. Calling it again is harmless.
-func (b *Broker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
+func (b *embeddedBroker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
 	for _, subject := range subjects {
 		_, err := b.db.ExecContext(ctx, `
 			INSERT INTO broker_subscriptions (subscriber, subject) VALUES (?, ?)
@@ -60,17 +82,11 @@ func (b *Broker) subscribe(ctx context.Context, subscriber string, subjects ...s
 	return nil
 }
 
-// publish stores msg and queues one delivery per subscriber of its subject.
-// A message id seen before is dropped (and counted in
-// broker_messages.duplicates): that is the broker's half of absorbing a relay
-// that publishes twice.
-func (b *Broker) publish(ctx context.Context, msg message) error {
-	return b.publishBatch(ctx, []message{msg})
-}
-
-// publishBatch publishes msgs together, all or none, as a client that sends
-// a batch and waits for every acknowledgement would.
-func (b *Broker) publishBatch(ctx context.Context, msgs []message) error {
+// publishBatch stores msgs, all or none, and queues one delivery per
+// subscriber of each subject. A message id seen before is dropped (and
+// counted in broker_messages.duplicates): that is the broker's half of
+// absorbing a relay that publishes twice.
+func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error {
 	if err := b.fault.at(ctx, faultPublish); err != nil {
 		return err
 	}
@@ -105,7 +121,7 @@ func (b *Broker) publishBatch(ctx context.Context, msgs []message) error {
 // fetch hands up to max due messages to subscriber, oldest first. Each is
 // hidden for ackWait: not acked by then, it is delivered again with a higher
 // DeliveryCount.
-func (b *Broker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
+func (b *embeddedBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
 	var deliveries []delivery
 	err := withTx(ctx, b.db, func(tx *sql.Tx) error {
 		now := b.now()
@@ -152,7 +168,7 @@ func (b *Broker) fetch(ctx context.Context, subscriber string, max int) ([]deliv
 
 // ack tells the broker these deliveries were handled: they are not
 // delivered again. One statement acks a whole batch.
-func (b *Broker) ack(ctx context.Context, deliveries ...delivery) error {
+func (b *embeddedBroker) ack(ctx context.Context, deliveries ...delivery) error {
 	if len(deliveries) == 0 {
 		return nil
 	}
@@ -175,7 +191,7 @@ func (b *Broker) ack(ctx context.Context, deliveries ...delivery) error {
 }
 
 // nak tells the broker d failed for now: deliver it again after delay.
-func (b *Broker) nak(ctx context.Context, d delivery, delay time.Duration) error {
+func (b *embeddedBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
 	_, err := b.db.ExecContext(ctx, `
 		UPDATE broker_deliveries SET visible_at = ?
 		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'`,
@@ -189,7 +205,7 @@ func (b *Broker) nak(ctx context.Context, d delivery, delay time.Duration) error
 // redeliver makes every unacked delivery of messageID to subscriber due now,
 // as a broker does when a consumer's connection drops. The demo uses it to
 // show the inbox at work without waiting out ackWait.
-func (b *Broker) redeliver(ctx context.Context, subscriber, messageID string) error {
+func (b *embeddedBroker) redeliver(ctx context.Context, subscriber, messageID string) error {
 	_, err := b.db.ExecContext(ctx, `
 		UPDATE broker_deliveries SET status = 'pending', visible_at = ?
 		WHERE subscriber = ? AND message_seq = (SELECT seq FROM broker_messages WHERE message_id = ?)`,

@@ -366,7 +366,11 @@ func (d *demo) run(ctx context.Context) error {
 	if err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID).Scan(&eventID); err != nil {
 		return err
 	}
-	if err := d.app.broker.redeliver(ctx, paymentServiceConsumer, eventID); err != nil {
+	embedded, ok := d.app.broker.(*embeddedBroker)
+	if !ok {
+		return errors.New("bug: the demo runs on the embedded broker")
+	}
+	if err := embedded.redeliver(ctx, paymentServiceConsumer, eventID); err != nil {
 		return err
 	}
 	d.say("broker: redelivering %s (an ack was lost)", eventID)

@@ -139,7 +139,7 @@ func TestInbox(t *testing.T) {
 		if err := env.app.broker.subscribe(ctx, "flaky", "Ping"); err != nil {
 			t.Fatal(err)
 		}
-		if err := env.app.broker.publish(ctx, message{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}); err != nil {
+		if err := env.app.broker.publishBatch(ctx, []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}}); err != nil {
 			t.Fatal(err)
 		}
 		var calls atomic.Int32

@@ -1,0 +1,217 @@
+// The NATS JetStream broker, for --broker nats://...: the same small
+// interface as the embedded broker, on a real one.
+//   - The relay publishes each event to subject <prefix>.<event type> with
+//     the event id as Nats-Msg-Id: JetStream drops a second publish of the
+//     same id within the stream's duplicate window (natsDuplicateWindow).
+//     A relay that republishes later than that (it was down longer) gets a
+//     second copy through, and the consumers' inboxes absorb it: the window
+//     is an optimisation, the inbox is the guarantee.
+//   - Each (consumer, subject) is a durable pull consumer with explicit
+//     acks, AckWait and MaxDeliver = maxDeliveries. (One durable per
+//     subject, because servers before 2.10 take one filter subject per
+//     consumer; events of one order never span two subjects' ordering
+//     needs here.) The inbox records a message as poison
+//     on its last delivery, so nothing loops for ever and nothing silently
+//     stops being delivered either.
+//   - The stream and the consumers are created if missing.
+
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// natsDuplicateWindow is how long JetStream remembers message ids. It must
+// exceed the time a relay may take to republish after a crash (its lease,
+// 30s, plus a restart); two minutes is JetStream's default.
+const natsDuplicateWindow = 2 * time.Minute
+
+// natsFetchWait bounds how long a fetch waits for messages when none are
+// due, so the consume loop stays responsive to shutdown.
+const natsFetchWait = 100 * time.Millisecond
+
+// natsBroker is a messageBroker on NATS JetStream.
+type natsBroker struct {
+	conn    *nats.Conn
+	js      jetstream.JetStream
+	stream  string
+	prefix  string
+	ackWait time.Duration
+
+	mu sync.Mutex
+	// durables maps a subscriber to its durable consumers, one per subject.
+	durables map[string][]string
+}
+
+// openNATSBroker connects to url and makes sure the stream exists. stream
+// names the JetStream stream; its subjects are "<stream>.>", so separate
+// streams (one per test, say) never see each other's messages.
+func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Duration) (*natsBroker, error) {
+	conn, err := nats.Connect(url, nats.Name("retrysafe"), nats.MaxReconnects(-1))
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s: %w", url, err)
+	}
+	js, err := jetstream.New(conn)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	b := &natsBroker{conn: conn, js: js, stream: stream, prefix: strings.ToLower(stream), ackWait: ackWait,
+		durables: map[string][]string{}}
+	_, err = js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:       stream,
+		Subjects:   []string{b.prefix + ".>"},
+		Storage:    jetstream.FileStorage,
+		Duplicates: natsDuplicateWindow,
+	})
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("create stream %s: %w", stream, err)
+	}
+	return b, nil
+}
+
+// close drains nothing and disconnects.
+func (b *natsBroker) close() {
+	b.conn.Close()
+}
+
+// subject is the NATS subject of an event type.
+func (b *natsBroker) subject(eventType string) string {
+	return b.prefix + "." + eventType
+}
+
+// subscribe creates or updates subscriber's durable pull consumers, one
+// per subject.
+func (b *natsBroker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
+	var durables []string
+	for _, subject := range subjects {
+		durable := subscriber + "_" + subject
+		_, err := b.js.CreateOrUpdateConsumer(ctx, b.stream, jetstream.ConsumerConfig{
+			Durable:       durable,
+			FilterSubject: b.subject(subject),
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       b.ackWait,
+			MaxDeliver:    maxDeliveries,
+			DeliverPolicy: jetstream.DeliverAllPolicy,
+		})
+		if err != nil {
+			return fmt.Errorf("create consumer %s: %w", durable, err)
+		}
+		durables = append(durables, durable)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.durables[subscriber] = durables
+	return nil
+}
+
+// publishBatch publishes msgs asynchronously and waits until JetStream has
+// acknowledged every one (stored, or dropped as a duplicate).
+func (b *natsBroker) publishBatch(ctx context.Context, msgs []message) error {
+	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
+	for _, msg := range msgs {
+		natsMsg := nats.NewMsg(b.subject(msg.Subject))
+		natsMsg.Header.Set(jetstream.MsgIDHeader, msg.ID)
+		natsMsg.Data = msg.Payload
+		future, err := b.js.PublishMsgAsync(natsMsg)
+		if err != nil {
+			return fmt.Errorf("publish %s: %w", msg.ID, err)
+		}
+		futures = append(futures, future)
+	}
+	for i, future := range futures {
+		select {
+		case <-future.Ok():
+		case err := <-future.Err():
+			return fmt.Errorf("publish %s: %w", msgs[i].ID, err)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// fetch pulls up to max messages for subscriber from its consumers,
+// waiting at most natsFetchWait on each when none is there.
+func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
+	b.mu.Lock()
+	durables := b.durables[subscriber]
+	b.mu.Unlock()
+	if len(durables) == 0 {
+		return nil, fmt.Errorf("bug: fetch for %s, which never subscribed", subscriber)
+	}
+	var deliveries []delivery
+	for _, durable := range durables {
+		if len(deliveries) >= max {
+			break
+		}
+		consumer, err := b.js.Consumer(ctx, b.stream, durable)
+		if err != nil {
+			return nil, fmt.Errorf("consumer %s: %w", durable, err)
+		}
+		batch, err := consumer.Fetch(max-len(deliveries), jetstream.FetchMaxWait(natsFetchWait))
+		if err != nil {
+			return nil, fmt.Errorf("fetch from %s: %w", durable, err)
+		}
+		for natsMsg := range batch.Messages() {
+			metadata, err := natsMsg.Metadata()
+			if err != nil {
+				return nil, fmt.Errorf("message metadata: %w", err)
+			}
+			id := natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			if id == "" {
+				// Not one of ours: nothing could deduplicate it.
+				return nil, fmt.Errorf("message %d on %s has no %s header", metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader)
+			}
+			deliveries = append(deliveries, delivery{
+				message: message{
+					ID:      id,
+					Subject: strings.TrimPrefix(natsMsg.Subject(), b.prefix+"."),
+					Payload: natsMsg.Data(),
+				},
+				Subscriber:    subscriber,
+				Seq:           int64(metadata.Sequence.Stream),
+				DeliveryCount: int(metadata.NumDelivered),
+				natsMsg:       natsMsg,
+			})
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
+			return nil, fmt.Errorf("fetch from %s: %w", durable, err)
+		}
+	}
+	return deliveries, nil
+}
+
+// ack acknowledges each delivery and waits for the server to confirm it, so
+// that a returned nil means the message will not come back.
+func (b *natsBroker) ack(ctx context.Context, deliveries ...delivery) error {
+	for _, d := range deliveries {
+		if d.natsMsg == nil {
+			return fmt.Errorf("bug: ack of %s without its NATS message", d.ID)
+		}
+		if err := d.natsMsg.DoubleAck(ctx); err != nil {
+			return fmt.Errorf("ack %s for %s: %w", d.ID, d.Subscriber, err)
+		}
+	}
+	return nil
+}
+
+// nak asks JetStream to deliver d again after delay.
+func (b *natsBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
+	if d.natsMsg == nil {
+		return fmt.Errorf("bug: nak of %s without its NATS message", d.ID)
+	}
+	if err := d.natsMsg.NakWithDelay(delay); err != nil {
+		return fmt.Errorf("nak %s for %s: %w", d.ID, d.Subscriber, err)
+	}
+	return nil
+}
