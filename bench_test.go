@@ -81,7 +81,7 @@ func createThreeTransactions(ctx context.Context, app *App, req idempotentReques
 		if _, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now); err != errKeyNotFound {
 			return fmt.Errorf("key exists: %v", err)
 		}
-		return insertKey(ctx, tx, req, recoveryStarted, sql.NullString{}, now)
+		return insertKey(ctx, tx, req, recoveryStarted, "", now)
 	})
 	if err != nil {
 		return err

@@ -50,11 +50,15 @@ func invariants() []invariant {
 			FROM orders o LEFT JOIN outbox_events e ON e.aggregate_id = o.order_id AND e.event_type = 'OrderCreated'
 			GROUP BY o.order_id
 			HAVING COUNT(e.seq) > 1 OR (COUNT(e.seq) = 0 AND o.created_at >= :recent)`},
-		{name: "every order starts at most one saga", query: `
-			SELECT order_id || ' has ' || COUNT(*) || ' sagas' FROM saga_instances GROUP BY order_id HAVING COUNT(*) > 1`},
-		{name: "every (consumer, message) is applied at most once", query: `
-			SELECT consumer || ' recorded ' || message_id || ' ' || COUNT(*) || ' times'
-			FROM inbox_messages GROUP BY consumer, message_id HAVING COUNT(*) > 1`},
+		{name: "every order announces its payment at most once", query: `
+			SELECT aggregate_id || ' has ' || COUNT(*) || ' ' || event_type || ' events'
+			FROM outbox_events WHERE event_type IN ('PaymentCaptured', 'OrderCancelled')
+			GROUP BY aggregate_id, event_type HAVING COUNT(*) > 1`},
+		{name: "an order's refunded amount is the sum of its refunds", query: `
+			SELECT o.order_id || ' says ' || o.refunded_cents || ' refunded, its refunds add up to ' ||
+			       COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status = 'succeeded'), 0)
+			FROM orders o
+			WHERE o.refunded_cents <> COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status = 'succeeded'), 0)`},
 		{name: "no order is charged twice", query: `
 			SELECT order_id || ' was charged ' || COUNT(*) || ' times'
 			FROM processor_charges WHERE status = 'succeeded' GROUP BY order_id HAVING COUNT(*) > 1`},

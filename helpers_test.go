@@ -42,14 +42,18 @@ type faultSwitch struct {
 // hook is the faultHook that the App calls.
 func (f *faultSwitch) hook(ctx context.Context, point faultPoint) error {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	f.hits[point]++
-	if f.decide != nil {
-		return f.decide(point, f.hits[point])
-	}
-	if point == f.point && f.remaining > 0 {
+	pass, decide := f.hits[point], f.decide
+	if decide == nil && point == f.point && f.remaining > 0 {
 		f.remaining--
+		f.mu.Unlock()
 		return f.err
+	}
+	f.mu.Unlock()
+	// decide may itself run code that passes fault points: call it
+	// without the lock.
+	if decide != nil {
+		return decide(point, pass)
 	}
 	return nil
 }

@@ -174,17 +174,20 @@ func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, n
 	return key, nil
 }
 
-// insertKey claims a new key for req. The primary key (user_id,
-// idempotency_key) is the race guard; within one BEGIN IMMEDIATE
-// transaction no other writer can claim it between lookupKey and here.
-func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point recoveryPoint, lockedAt sql.NullString, now time.Time) error {
+// insertKey claims a new key for req, leased to lease (or to nobody if
+// lease is empty). The primary key (user_id, idempotency_key) is the race
+// guard; within one BEGIN IMMEDIATE transaction no other writer can claim it
+// between lookupKey and here.
+func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point recoveryPoint, lease string, now time.Time) error {
+	lockedAt := sql.NullString{String: formatTime(now), Valid: lease != ""}
+	lockedBy := sql.NullString{String: lease, Valid: lease != ""}
 	_, err := tx.ExecContext(ctx, `
 		INSERT INTO idempotency_keys
 			(user_id, idempotency_key, request_method, request_path, request_hash, request_params,
-			 status, recovery_point, locked_at, created_at, expires_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+			 status, recovery_point, locked_at, locked_by, created_at, expires_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 		req.UserID, req.IdempotencyKey, req.Method, req.Path, req.fingerprint(), req.CanonicalBody,
-		keyProcessing, point, lockedAt, formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
+		keyProcessing, point, lockedAt, lockedBy, formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
 	)
 	if err != nil {
 		return fmt.Errorf("insert idempotency key: %w", err)
@@ -215,7 +218,7 @@ func insertCompletedKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, 
 func completeKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, response apiResponse) error {
 	result, err := tx.ExecContext(ctx, `
 		UPDATE idempotency_keys
-		SET status = ?, recovery_point = ?, locked_at = NULL,
+		SET status = ?, recovery_point = ?, locked_at = NULL, locked_by = NULL,
 		    response_status = ?, response_body = ?, response_location = ?
 		WHERE user_id = ? AND idempotency_key = ?`,
 		keyCompleted, recoveryFinished, response.Status, response.Body, sql.NullString{String: response.Location, Valid: response.Location != ""},

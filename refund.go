@@ -8,8 +8,11 @@
 //	refund_requested  call the processor with a key derived from ours
 //	finished          the response is stored and replays from now on
 //
-// A request holds a lease on the key (locked_at) while it works: a second
-// request with the same key gets 409 until the lease passes. If the process
+// A request holds a lease on the key (locked_at, locked_by) while it works:
+// a second request with the same key gets 409 until the lease passes. Each
+// phase checks, in its own transaction, that it still holds the lease: a
+// request that was slow enough to be taken over stops instead of recording
+// its phase on top of the new holder's. If the process
 // dies between phases, the client's retry after the lease, or the completer
 // in the worker loop if the client never comes back, resumes at the recovery
 // point. The processor's idempotency key makes the resumed call return the
@@ -88,32 +91,47 @@ var errPaymentPending = errors.New("the order's payment is still in progress")
 // refusals (order not paid, amount too large) are definitive: they come back
 // as a stored problem response, not as an error.
 func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID string, refund refundRequest) (apiResponse, error) {
-	key, replay, err := a.acquireKey(ctx, req)
+	key, lease, replay, err := a.acquireKey(ctx, req)
 	if err != nil {
 		return apiResponse{}, err
 	}
 	if replay != nil {
 		return *replay, nil
 	}
+	response, err := a.runRefundPhases(ctx, req, lease, key, orderID, refund)
+	switch {
+	case err == nil, errors.Is(err, errCrash), errors.Is(err, errKeyInProgress):
+		return response, err
+	case errors.Is(err, errPaymentPending):
+		// Nothing happened under the key yet: free it for the retry.
+		if err := a.forgetKey(ctx, req, lease); err != nil {
+			return apiResponse{}, err
+		}
+		return apiResponse{}, err
+	default:
+		// A timeout or a failing database: release the lease, so that the
+		// client's retry resumes at the recovery point at once instead of
+		// waiting out the lease.
+		if releaseErr := a.releaseKey(ctx, req, lease); releaseErr != nil {
+			return apiResponse{}, errors.Join(err, releaseErr)
+		}
+		return apiResponse{}, err
+	}
+}
+
+// runRefundPhases runs the phases from key's recovery point to the end.
+func (a *App) runRefundPhases(ctx context.Context, req idempotentRequest, lease string, key idempotencyKeyRow, orderID string, refund refundRequest) (apiResponse, error) {
 	for {
 		switch key.RecoveryPoint {
 		case recoveryStarted:
-			err := a.refundPhaseStarted(ctx, req, orderID, refund)
-			if errors.Is(err, errPaymentPending) {
-				// Nothing happened under the key yet: free it for the retry.
-				if err := a.forgetKey(ctx, req); err != nil {
-					return apiResponse{}, err
-				}
-				return apiResponse{}, errPaymentPending
-			}
-			if err != nil {
+			if err := a.refundPhaseStarted(ctx, req, lease, orderID, refund); err != nil {
 				return apiResponse{}, err
 			}
 			if err := a.fault.at(ctx, faultRefundStarted); err != nil {
 				return apiResponse{}, err
 			}
 		case recoveryRefundRequested:
-			if err := a.refundPhaseRequested(ctx, req, orderID); err != nil {
+			if err := a.refundPhaseRequested(ctx, req, lease, orderID); err != nil {
 				return apiResponse{}, err
 			}
 		case recoveryFinished:
@@ -125,6 +143,7 @@ func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID st
 		default:
 			return apiResponse{}, fmt.Errorf("bug: unhandled recovery point %q", key.RecoveryPoint)
 		}
+		var err error
 		key, err = a.readKey(ctx, req)
 		if err != nil {
 			return apiResponse{}, err
@@ -132,7 +151,7 @@ func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID st
 	}
 }
 
-// readKey reads the key of req outside any transaction.
+// readKey reads the key of req, in a transaction of its own.
 func (a *App) readKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, error) {
 	var key idempotencyKeyRow
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -144,20 +163,21 @@ func (a *App) readKey(ctx context.Context, req idempotentRequest) (idempotencyKe
 }
 
 // acquireKey claims req's key, or takes over its lease if the lease has
-// passed. It returns the stored response instead if the key is finished,
-// errKeyInProgress while another request holds a fresh lease, and
-// errKeyReused if the key belongs to another request.
-func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, *apiResponse, error) {
+// passed, and returns the key and the new lease token. It returns the stored
+// response instead if the key is finished, errKeyInProgress while another
+// request holds a fresh lease, and errKeyReused if the key belongs to
+// another request.
+func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, string, *apiResponse, error) {
 	var key idempotencyKeyRow
 	var replay *apiResponse
+	lease := a.newID("lease")
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 		now := a.now()
-		lockedAt := sql.NullString{String: formatTime(now), Valid: true}
 		var err error
 		key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {
 		case errors.Is(err, errKeyNotFound):
-			if err := insertKey(ctx, tx, req, recoveryStarted, lockedAt, now); err != nil {
+			if err := insertKey(ctx, tx, req, recoveryStarted, lease, now); err != nil {
 				return err
 			}
 			key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
@@ -177,14 +197,34 @@ func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotenc
 			return errKeyInProgress
 		}
 		_, err = tx.ExecContext(ctx, `
-			UPDATE idempotency_keys SET locked_at = ? WHERE user_id = ? AND idempotency_key = ?`,
-			lockedAt, req.UserID, req.IdempotencyKey)
+			UPDATE idempotency_keys SET locked_at = ?, locked_by = ? WHERE user_id = ? AND idempotency_key = ?`,
+			formatTime(now), lease, req.UserID, req.IdempotencyKey)
 		if err != nil {
 			return fmt.Errorf("take over idempotency key: %w", err)
 		}
 		return nil
 	})
-	return key, replay, err
+	return key, lease, replay, err
+}
+
+// holdsLease returns errKeyInProgress unless lease still holds req's key.
+// Called first in every phase's transaction: the write lock keeps the
+// answer true until the phase commits.
+func holdsLease(ctx context.Context, tx *sql.Tx, req idempotentRequest, lease string) error {
+	var lockedBy sql.NullString
+	err := tx.QueryRowContext(ctx, `
+		SELECT locked_by FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
+		req.UserID, req.IdempotencyKey).Scan(&lockedBy)
+	if errors.Is(err, sql.ErrNoRows) {
+		return errKeyInProgress
+	}
+	if err != nil {
+		return fmt.Errorf("read lease: %w", err)
+	}
+	if lockedBy.String != lease {
+		return errKeyInProgress
+	}
+	return nil
 }
 
 // setRecoveryPoint moves a key to its next phase, in the transaction of the
@@ -199,24 +239,27 @@ func setRecoveryPoint(ctx context.Context, tx *sql.Tx, req idempotentRequest, po
 	return nil
 }
 
-// releaseKey drops the lease after a transient failure, so the client's
-// retry resumes at once instead of waiting out refundLockTimeout.
-func (a *App) releaseKey(ctx context.Context, req idempotentRequest) error {
+// releaseKey drops lease after a failure, so the client's retry resumes at
+// once instead of waiting out refundLockTimeout. A lease already taken over
+// is left alone.
+func (a *App) releaseKey(ctx context.Context, req idempotentRequest, lease string) error {
 	_, err := a.db.ExecContext(ctx, `
-		UPDATE idempotency_keys SET locked_at = NULL WHERE user_id = ? AND idempotency_key = ?`,
-		req.UserID, req.IdempotencyKey)
+		UPDATE idempotency_keys SET locked_at = NULL, locked_by = NULL
+		WHERE user_id = ? AND idempotency_key = ? AND locked_by = ?`,
+		req.UserID, req.IdempotencyKey, lease)
 	if err != nil {
 		return fmt.Errorf("release idempotency key: %w", err)
 	}
 	return nil
 }
 
-// forgetKey deletes a key that is still at its first recovery point, when
-// the request turned out to be too early to do anything.
-func (a *App) forgetKey(ctx context.Context, req idempotentRequest) error {
+// forgetKey deletes a key that lease holds at its first recovery point,
+// when the request turned out to be too early to do anything.
+func (a *App) forgetKey(ctx context.Context, req idempotentRequest, lease string) error {
 	_, err := a.db.ExecContext(ctx, `
-		DELETE FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ? AND recovery_point = ?`,
-		req.UserID, req.IdempotencyKey, recoveryStarted)
+		DELETE FROM idempotency_keys
+		WHERE user_id = ? AND idempotency_key = ? AND recovery_point = ? AND locked_by = ?`,
+		req.UserID, req.IdempotencyKey, recoveryStarted, lease)
 	if err != nil {
 		return fmt.Errorf("forget idempotency key: %w", err)
 	}
@@ -227,8 +270,11 @@ func (a *App) forgetKey(ctx context.Context, req idempotentRequest) error {
 // stores a definitive refusal on the key. Counting pending refunds in what
 // remains means two refunds in flight under different keys can never
 // together exceed the charge.
-func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, orderID string, refund refundRequest) error {
+func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lease, orderID string, refund refundRequest) error {
 	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		if err := holdsLease(ctx, tx, req, lease); err != nil {
+			return err
+		}
 		now := a.now()
 		order, err := readOrder(ctx, tx, orderID)
 		if errors.Is(err, errOrderNotFound) || (err == nil && order.UserID != req.UserID) {
@@ -281,7 +327,7 @@ func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, ord
 // refundPhaseRequested calls the processor for the pending refund and
 // records the outcome. Its processor key is derived from our refund id, so a
 // resumed call returns the refund already made.
-func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, orderID string) error {
+func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, lease, orderID string) error {
 	var refundID string
 	var amount int64
 	err := a.db.QueryRowContext(ctx, `
@@ -302,6 +348,9 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, o
 		return err
 	case errors.Is(err, errRefundExceedsCharge), errors.Is(err, errProcessorKeyReused):
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+			if err := holdsLease(ctx, tx, req, lease); err != nil {
+				return err
+			}
 			if err := setRefundStatus(ctx, tx, refundID, "failed", sql.NullString{}, a.now()); err != nil {
 				return err
 			}
@@ -311,11 +360,8 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, o
 			}))
 		})
 	default:
-		// A timeout: the refund may have happened. Release the lease; the
-		// retry (or the completer) asks again with the same key.
-		if releaseErr := a.releaseKey(ctx, req); releaseErr != nil {
-			return releaseErr
-		}
+		// A timeout: the refund may have happened. The retry (or the
+		// completer) asks again with the same key and learns which.
 		return err
 	}
 	if err := a.fault.at(ctx, faultRefundAfterProcessor); err != nil {
@@ -323,6 +369,9 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, o
 	}
 
 	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		if err := holdsLease(ctx, tx, req, lease); err != nil {
+			return err
+		}
 		now := a.now()
 		if err := setRefundStatus(ctx, tx, refundID, "succeeded", sql.NullString{String: processorRefundID, Valid: true}, now); err != nil {
 			return err
@@ -351,13 +400,21 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, o
 	})
 }
 
-// setRefundStatus settles a pending refund.
+// setRefundStatus settles a pending refund. It returns an error if the
+// refund is not pending: settling it twice would count its money twice.
 func setRefundStatus(ctx context.Context, tx *sql.Tx, refundID, status string, processorRefundID sql.NullString, now time.Time) error {
-	_, err := tx.ExecContext(ctx, `
+	result, err := tx.ExecContext(ctx, `
 		UPDATE refunds SET status = ?, processor_refund_id = ?, updated_at = ? WHERE refund_id = ? AND status = 'pending'`,
 		status, processorRefundID, formatTime(now), refundID)
 	if err != nil {
 		return fmt.Errorf("settle refund %s: %w", refundID, err)
+	}
+	n, err := result.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("settle refund %s: %w", refundID, err)
+	}
+	if n != 1 {
+		return fmt.Errorf("bug: refund %s is no longer pending while its key is still leased", refundID)
 	}
 	return nil
 }
@@ -422,12 +479,11 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 		switch {
 		case err == nil:
 			finished++
-		case errors.Is(err, errKeyInProgress):
-			// A client's retry took it over between our query and now.
-		case errors.Is(err, errCrash):
-			return finished, err
+		case errors.Is(err, errKeyInProgress), errors.Is(err, errProcessorTimeout):
+			// A client's retry took it over, or the processor did not
+			// answer; the lease is released and the next pass tries again.
 		default:
-			// Transient: the key was released; the next pass tries again.
+			return finished, fmt.Errorf("complete refund %s of %s: %w", req.IdempotencyKey, req.UserID, err)
 		}
 	}
 	return finished, nil

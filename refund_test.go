@@ -144,6 +144,70 @@ func TestHTTPRefund(t *testing.T) {
 		}
 	})
 
+	// Ensure a request that stalls past its lease, while the completer takes
+	// over and finishes, records nothing when it wakes: the money is counted
+	// once and the completer's answer stands.
+	t.Run("StalledRequestTakenOverRecordsNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		ctx := context.Background()
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultRefundAfterProcessor && pass == 1 {
+				// The first request stalls here; meanwhile its lease passes
+				// and the completer finishes the refund.
+				env.clock.advance(env.app.leases.refundLock)
+				if n, err := env.app.completeRefundsOnce(ctx, 10); err != nil || n != 1 {
+					t.Errorf("completer finished %d, %v; want 1", n, err)
+				}
+			}
+			return nil
+		})
+		req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+		if _, err := env.app.refundOrder(ctx, req, orderID, refund); !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("the stalled request got %v, want errKeyInProgress", err)
+		}
+		if got := env.str(t, `SELECT refunded_cents || ':' || (SELECT COUNT(*) FROM outbox_events WHERE event_type = 'OrderRefunded') FROM orders`); got != "2000:1" {
+			t.Fatalf("refunded_cents:OrderRefunded events = %s, want 2000:1", got)
+		}
+		mustAudit(t, env, false)
+	})
+
+	// Ensure a webhook that overtakes our own record of a refund is asked for
+	// again instead of counting the refund twice, and nothing gets stuck.
+	t.Run("WebhookOvertakingOurRecordIsRetried", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		env.fault.crashAt(faultRefundAfterProcessor)
+		req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+		if _, err := env.app.refundOrder(context.Background(), req, orderID, refund); !errors.Is(err, errCrash) {
+			t.Fatalf("got %v, want the crash", err)
+		}
+		env.restart(t)
+		ts = newTestServer(t, env)
+		chargeID := env.str(t, `SELECT charge_id FROM orders`)
+		refundID := env.str(t, `SELECT refund_id FROM processor_refunds`)
+		body := chargeRefundedEvent("evt_early", chargeID, refundID, 2000)
+		early := postWebhook(t, ts, body, signWebhook([]byte(testWebhookSecret), env.clock.now(), body))
+		if early.Status != 503 {
+			t.Fatalf("the early webhook got %d %s, want 503 so the processor sends it again", early.Status, early.Body)
+		}
+		env.clock.advance(env.app.leases.refundLock)
+		if n, err := env.app.completeRefundsOnce(context.Background(), 10); err != nil || n != 1 {
+			t.Fatalf("completer finished %d, %v; want 1", n, err)
+		}
+		again := postWebhook(t, ts, body, signWebhook([]byte(testWebhookSecret), env.clock.now(), body))
+		if again.Status != 200 || !strings.Contains(again.Body, `"applied"`) {
+			t.Fatalf("the redelivered webhook got %d %s, want 200 applied", again.Status, again.Body)
+		}
+		if got := env.count(t, `SELECT refunded_cents FROM orders`); got != 2000 {
+			t.Fatalf("refunded_cents %d, want 2000", got)
+		}
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
 	// Ensure the completer finishes a refund whose client never came back,
 	// and the client's late retry replays its result.
 	t.Run("CompleterFinishesAbandonedRefund", func(t *testing.T) {

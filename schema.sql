@@ -35,6 +35,10 @@ CREATE TABLE idempotency_keys (
     -- request while it is fresh gets 409, after refundLockTimeout it may take
     -- over.
     locked_at       TEXT,
+    -- locked_by is the holder's lease token. Every phase checks it in its
+    -- own transaction, so a slow request whose lease was taken over can
+    -- never record its phase on top of the new holder's.
+    locked_by       TEXT,
     response_status INTEGER,
     response_body   BLOB,
     -- response_location is replayed as the Location header of a 201.
@@ -178,9 +182,8 @@ CREATE INDEX inbox_messages_processed_at ON inbox_messages (processed_at);
 CREATE TABLE saga_instances (
     saga_id         TEXT PRIMARY KEY,
     order_id        TEXT NOT NULL UNIQUE REFERENCES orders (order_id),
-    -- status: in_progress | compensating | completed | compensated |
-    -- compensation_failed
-    status          TEXT NOT NULL,
+    status          TEXT NOT NULL CHECK (status IN
+        ('in_progress', 'compensating', 'completed', 'compensated', 'compensation_failed')),
     current_step    TEXT NOT NULL,
     attempts        INTEGER NOT NULL DEFAULT 0,
     next_attempt_at TEXT NOT NULL,

@@ -397,14 +397,14 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemKeyInProgress, Title: "Request in progress", Status: http.StatusConflict,
 			Detail: "a request with this Idempotency-Key is in progress; retry later for its result"})
-	case isBusy(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded):
+	case isBusy(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded), errors.Is(err, errRefundInFlight):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemUnavailable, Title: "Temporarily unavailable", Status: http.StatusServiceUnavailable,
-			Detail: "nothing was stored; retry with the same Idempotency-Key"})
+			Detail: "a transient failure, no outcome was stored; retry with the same Idempotency-Key"})
 	default:
 		s.logger.Error("request failed", "method", r.Method, "path", r.URL.Path, "error", err)
 		writeProblem(w, problem{Type: problemInternal, Title: "Internal error", Status: http.StatusInternalServerError,
-			Detail: "nothing was stored; retry with the same Idempotency-Key"})
+			Detail: "retry with the same Idempotency-Key"})
 	}
 }
 

@@ -56,6 +56,11 @@ func signWebhook(secret []byte, t time.Time, body []byte) string {
 	return "t=" + timestamp + ",v1=" + hex.EncodeToString(mac.Sum(nil))
 }
 
+// errRefundInFlight: a charge.refunded event arrived while a refund of the
+// same order is still being recorded; it is not applied, and the processor
+// delivers it again.
+var errRefundInFlight = errors.New("a refund of this order is still being recorded; deliver the event again later")
+
 // errBadSignature is returned for a webhook whose signature is missing,
 // wrong, or older than webhookTolerance.
 var errBadSignature = errors.New("bad webhook signature")
@@ -175,12 +180,24 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 		return nil
 	}
 	var orderID string
+	var refundInFlight bool
 	err = tx.QueryRowContext(ctx, `SELECT order_id FROM orders WHERE charge_id = ?`, event.Data.ChargeID).Scan(&orderID)
 	if errors.Is(err, sql.ErrNoRows) {
 		return permanent(fmt.Errorf("charge.refunded for unknown charge %s", event.Data.ChargeID))
 	}
 	if err != nil {
 		return fmt.Errorf("look up order of charge: %w", err)
+	}
+	// The event may overtake our own record of a refund we asked for: the
+	// processor refunded, and our API has not written down its id yet. Ask
+	// for the event again later rather than count that refund twice.
+	err = tx.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM refunds WHERE order_id = ? AND status = 'pending')`,
+		orderID).Scan(&refundInFlight)
+	if err != nil {
+		return fmt.Errorf("look up refunds in flight: %w", err)
+	}
+	if refundInFlight {
+		return errRefundInFlight
 	}
 	now := a.now()
 	_, err = tx.ExecContext(ctx, `
@@ -193,8 +210,8 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 	return addRefundToOrder(ctx, tx, orderID, event.Data.AmountCents, now)
 }
 
-// chargeRefundedEvent encodes a charge.refunded event, for the demo and
-// tests.
+// chargeRefundedEvent encodes a charge.refunded event, as the processor
+// sends it.
 func chargeRefundedEvent(eventID, chargeID, refundID string, amountCents int64) []byte {
 	event := processorEvent{ID: eventID, Type: "charge.refunded"}
 	event.Data.ChargeID = chargeID
