@@ -30,7 +30,6 @@ type groupCommitter struct {
 
 // groupRequest is one request's work and where its result goes.
 type groupRequest struct {
-	ctx  context.Context
 	fn   func(tx *sql.Tx) error
 	done chan error
 }
@@ -43,15 +42,27 @@ func newGroupCommitter(db *sql.DB) *groupCommitter {
 
 // do runs fn in the next group commit and returns fn's error, or the
 // commit's. It returns only once the commit is durable (or failed), even if
-// ctx ends meanwhile: the caller must not answer before it knows.
-func (g *groupCommitter) do(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	req := groupRequest{ctx: ctx, fn: fn, done: make(chan error, 1)}
+// ctx ends meanwhile: the caller must not answer before it knows. fn runs
+// with a context that is never cancelled: one client hanging up mid-batch
+// must not interrupt the statements of the others' shared transaction.
+func (g *groupCommitter) do(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
+	req := newGroupRequest(ctx, fn)
 	select {
 	case g.requests <- req:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 	return <-req.done
+}
+
+// newGroupRequest wraps fn for a batch: it runs with ctx's values but never
+// its cancellation.
+func newGroupRequest(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) groupRequest {
+	uncancelled := context.WithoutCancel(ctx)
+	return groupRequest{
+		fn:   func(tx *sql.Tx) error { return fn(uncancelled, tx) },
+		done: make(chan error, 1),
+	}
 }
 
 // run commits batches until ctx is done; then it returns. Each batch is the
@@ -123,10 +134,11 @@ func runRecovered(fn func(tx *sql.Tx) error, tx *sql.Tx) (err error) {
 }
 
 // writeTx runs fn in a transaction of its own, or, when the App group
-// commits, in a savepoint of the next group commit.
-func (a *App) writeTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
+// commits, in a savepoint of the next group commit. fn must use the context
+// it is given, not its caller's.
+func (a *App) writeTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	if a.group != nil {
 		return a.group.do(ctx, fn)
 	}
-	return withTx(ctx, a.db, fn)
+	return withTx(ctx, a.db, func(tx *sql.Tx) error { return fn(ctx, tx) })
 }

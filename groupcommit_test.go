@@ -55,7 +55,7 @@ func TestGroupCommit(t *testing.T) {
 		fns := []func(tx *sql.Tx) error{insert("ord_1"), failing, insert("ord_2"), panicking, insert("ord_3")}
 		var batch []groupRequest
 		for _, fn := range fns {
-			batch = append(batch, groupRequest{ctx: context.Background(), fn: fn, done: make(chan error, 1)})
+			batch = append(batch, groupRequest{fn: fn, done: make(chan error, 1)})
 		}
 		g.commit(batch)
 		var got []string
@@ -67,6 +67,39 @@ func TestGroupCommit(t *testing.T) {
 		}
 		if got := env.str(t, `SELECT GROUP_CONCAT(order_id, ',') FROM (SELECT order_id FROM orders ORDER BY order_id)`); got != "ord_1,ord_2,ord_3" {
 			t.Fatalf("stored %s, want ord_1,ord_2,ord_3", got)
+		}
+	})
+
+	// Ensure a client that hangs up while its work runs in a batch does not
+	// interrupt the others' shared transaction.
+	t.Run("CancelledClientDoesNotFailTheBatch", func(t *testing.T) {
+		env := MustOpenApp(t)
+		g := newGroupCommitter(env.app.db)
+		insertAs := func(orderID string, hangUp func()) func(ctx context.Context, tx *sql.Tx) error {
+			return func(ctx context.Context, tx *sql.Tx) error {
+				if hangUp != nil {
+					hangUp()
+				}
+				_, err := tx.ExecContext(ctx, `
+					INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, created_at, updated_at)
+					VALUES (?, 'u', 1, 'usd', '[]', 'pm_card_visa', 'created', '', '')`, orderID)
+				return err
+			}
+		}
+		gone, hangUp := context.WithCancel(context.Background())
+		batch := []groupRequest{
+			newGroupRequest(context.Background(), insertAs("ord_1", nil)),
+			newGroupRequest(gone, insertAs("ord_gone", hangUp)),
+			newGroupRequest(context.Background(), insertAs("ord_2", nil)),
+		}
+		g.commit(batch)
+		for i, req := range batch {
+			if err := <-req.done; err != nil {
+				t.Fatalf("request %d: %v", i, err)
+			}
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 3 {
+			t.Fatalf("got %d orders, want 3", got)
 		}
 	})
 

@@ -258,7 +258,7 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 // valid (see decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
 	var response apiResponse
-	err := a.writeTx(ctx, func(tx *sql.Tx) error {
+	err := a.writeTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
 		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {

@@ -235,12 +235,23 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 	if err != nil {
 		return 0, err
 	}
+	var failures []error
 	for _, sagaID := range sagaIDs {
-		if err := a.runSaga(ctx, sagaID, workerID); err != nil {
+		err := a.runSaga(ctx, sagaID, workerID)
+		if errors.Is(err, errCrash) {
 			return 0, err
 		}
+		if err != nil {
+			// One saga failing (a bug, a broken row) must not hold up the
+			// others claimed with it: put it back for later, go on, and
+			// report it.
+			failures = append(failures, fmt.Errorf("saga %s: %w", sagaID, err))
+			if err := a.setSagaAside(ctx, sagaID, workerID, err); err != nil {
+				return 0, err
+			}
+		}
 	}
-	return len(sagaIDs), nil
+	return len(sagaIDs), errors.Join(failures...)
 }
 
 // runSaga drives one saga, that workerID has leased, until it is terminal or
@@ -587,6 +598,22 @@ func (a *App) scheduleRetry(ctx context.Context, saga sagaRow, workerID string, 
 		saga.SagaID, workerID)
 	if err != nil {
 		return fmt.Errorf("schedule saga retry: %w", err)
+	}
+	return nil
+}
+
+// setSagaAside releases a saga that failed unexpectedly and makes it due
+// again in a minute, its status unchanged.
+func (a *App) setSagaAside(ctx context.Context, sagaID, workerID string, cause error) error {
+	now := a.now()
+	_, err := a.db.ExecContext(ctx, `
+		UPDATE saga_instances
+		SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?, updated_at = ?,
+		    locked_by = NULL, locked_until = NULL
+		WHERE saga_id = ? AND locked_by = ?`,
+		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), sagaID, workerID)
+	if err != nil {
+		return fmt.Errorf("set saga %s aside: %w", sagaID, err)
 	}
 	return nil
 }

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -213,6 +215,37 @@ func TestSaga(t *testing.T) {
 		// Every attempt used one key: the processor refunded once.
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 1 {
 			t.Fatalf("got %d refunds, want 1", got)
+		}
+	})
+
+	// Ensure a saga that fails unexpectedly is set aside and reported, and
+	// the others claimed with it still run.
+	t.Run("BrokenSagaDoesNotHoldUpTheOthers", func(t *testing.T) {
+		env := MustOpenApp(t)
+		for i := range 3 {
+			mustCreateOrder(t, env, "user-42", fmt.Sprintf("k%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+		}
+		for range 3 {
+			if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := env.app.consumeOnce(ctx, env.app.consumers()[0], 10); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// The first saga's order loses its items: a broken row.
+		if _, err := env.app.db.Exec(`UPDATE orders SET items = 'not json' WHERE idempotency_key = 'k0'`); err != nil {
+			t.Fatal(err)
+		}
+		n, err := env.app.sagaOnce(ctx, "worker-1", 10)
+		if n != 3 || err == nil || !strings.Contains(err.Error(), "decode items") {
+			t.Fatalf("got %d, %v; want 3 sagas run and the broken one reported", n, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'`); got != 2 {
+			t.Fatalf("got %d completed sagas, want the 2 healthy ones", got)
+		}
+		if got := env.str(t, `SELECT s.status || ':' || COALESCE(s.locked_by, 'free') FROM saga_instances s JOIN orders o ON o.order_id = s.order_id WHERE o.idempotency_key = 'k0'`); got != "in_progress:free" {
+			t.Fatalf("the broken saga is %s, want in_progress:free", got)
 		}
 	})
 
