@@ -27,7 +27,7 @@ const (
 	// 30s has died, and another may take them over.
 	relayLease = 30 * time.Second
 	// maxPublishAttempts is how often the relay tries one event before it
-	// marks it failed for an operator. With relayBackoff that is about 17
+	// marks it failed for an operator. With relayBackoff that is about 8.5
 	// minutes of trying.
 	maxPublishAttempts = 10
 
@@ -46,9 +46,10 @@ const (
 	// and waits for an operator.
 	maxCompensationAttempts = 5
 
-	// refundLockTimeout is the lease of a refund request on its key. It is
-	// longer than the processor's own timeout, so a request that is still
-	// waiting on the processor is never taken over by a retry.
+	// refundLockTimeout is the lease of a refund request on its key: far
+	// longer than a processor call and a few transactions take, so a retry
+	// rarely takes over a request that is merely slow. If it does, the slow
+	// request finds its lease gone at its next phase and stops (holdsLease).
 	refundLockTimeout = 90 * time.Second
 )
 

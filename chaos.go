@@ -242,7 +242,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	}
 	logFile, err := os.Create(cfg.DBPath + ".log")
 	if err != nil {
-		return report, err
+		return report, fmt.Errorf("create the process log: %w", err)
 	}
 	defer logFile.Close()
 	log := &lockedWriter{w: logFile}
@@ -383,6 +383,7 @@ type lockedWriter struct {
 	w  io.Writer
 }
 
+// Write writes p whole before another process's output.
 func (l *lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

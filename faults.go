@@ -13,7 +13,8 @@ import (
 type faultPoint string
 
 const (
-	// faultAfterKeyClaim: the idempotency key row is written, the order not yet.
+	// faultAfterKeyClaim: the key is claimed (the transaction holds the write
+	// lock and found the key free); nothing is written yet.
 	faultAfterKeyClaim faultPoint = "idem.after_key_claim"
 	// faultAfterBusinessWrite: the order and its outbox event are written, the
 	// response is not yet stored on the key.

@@ -44,7 +44,10 @@ const (
 // payload that does not decode, an event that contradicts the state).
 type permanentError struct{ err error }
 
+// Error returns the wrapped error's message.
 func (e *permanentError) Error() string { return e.err.Error() }
+
+// Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *permanentError) Unwrap() error { return e.err }
 
 // permanent marks err as permanent: retrying cannot help.
@@ -216,7 +219,6 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	}
 	var results []receiveResult
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
-		results = results[:0]
 		for _, d := range deliveries {
 			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
 				return c.apply(ctx, tx, d.message)
@@ -233,16 +235,19 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	}
 	var handled []delivery
 	for i, d := range deliveries {
-		if results[i].Outcome == inboxRetry {
+		switch results[i].Outcome {
+		case inboxRetry:
 			if err := a.broker.nak(ctx, d, consumeBackoff(d.DeliveryCount)); err != nil {
 				return results, err
 			}
-			continue
+		case inboxApplied, inboxDuplicate, inboxPoison:
+			if err := a.fault.at(ctx, faultAfterEffect); err != nil {
+				return results, err
+			}
+			handled = append(handled, d)
+		default:
+			return results, fmt.Errorf("bug: unhandled inbox outcome %q", results[i].Outcome)
 		}
-		if err := a.fault.at(ctx, faultAfterEffect); err != nil {
-			return results, err
-		}
-		handled = append(handled, d)
 	}
 	if err := a.broker.ack(ctx, handled...); err != nil {
 		return results, err

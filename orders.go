@@ -45,6 +45,8 @@ var (
 	}
 )
 
+// skuPattern is what a SKU looks like; anything else is rejected before it
+// reaches a query or a log line.
 var skuPattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,63}$`)
 
 // orderItem is one line of an order.
@@ -74,6 +76,7 @@ type invalidRequestError struct {
 	Errors []fieldError
 }
 
+// Error lists every field at fault.
 func (e *invalidRequestError) Error() string {
 	var parts []string
 	for _, fe := range e.Errors {

@@ -118,6 +118,7 @@ type statusRecorder struct {
 	status int
 }
 
+// WriteHeader remembers status and passes it on.
 func (r *statusRecorder) WriteHeader(status int) {
 	r.status = status
 	r.ResponseWriter.WriteHeader(status)
