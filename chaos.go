@@ -661,7 +661,7 @@ func printChaosReport(w io.Writer, r chaosReport) {
 	row("HTTP requests", r.Requests)
 	row("client retries", r.Retries)
 	row("processes SIGKILLed and restarted", r.Kills)
-	row("503 answers (transient, nothing stored)", r.Unavailable)
+	row("503 answers (transient, no outcome stored)", r.Unavailable)
 	row("500 answers", r.ServerErrors)
 	fmt.Fprintln(w, "duplicates absorbed")
 	row("idempotency key replays", r.Replays)
