@@ -51,6 +51,10 @@ type chaosConfig struct {
 	Seed uint64
 	// Duration bounds the whole run.
 	Duration time.Duration
+	// Serves, Relays and Workers are how many processes of each to run.
+	Serves, Relays, Workers int
+	// BrokerURL is a NATS JetStream URL, or empty for the embedded broker.
+	BrokerURL string
 	// Progress receives a progress line, or is nil.
 	Progress io.Writer
 }
@@ -68,6 +72,9 @@ type chaosReport struct {
 	ClientViolations                []string
 	Elapsed                         time.Duration
 	Invariants                      int
+	// OnNATS is set when the run used NATS JetStream, whose dedupes and
+	// redeliveries the database does not see.
+	OnNATS bool
 }
 
 // failed reports whether anything went wrong.
@@ -77,6 +84,7 @@ func (r chaosReport) failed() bool {
 
 // chaosOrder is one client's order in the schedule.
 type chaosOrder struct {
+	index       int
 	key         string
 	body        string
 	refund      bool
@@ -112,6 +120,7 @@ func chaosSchedule(cfg chaosConfig) []*chaosOrder {
 		}
 		user := chaosUsers[rng.IntN(len(chaosUsers))]
 		orders[i] = &chaosOrder{
+			index: i,
 			// Both users use the same key names: a key must never cross users.
 			key:         fmt.Sprintf("chaos-%d-%d", cfg.Seed, i/2),
 			body:        fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[{"sku":%q,"qty":%d}],"payment_method":%q}`, 100+rng.IntN(9900), sku, 1+rng.IntN(3), paymentMethod),
@@ -231,13 +240,9 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, cfg.Duration)
 	defer cancel()
-	report := chaosReport{Orders: cfg.Orders}
+	report := chaosReport{Orders: cfg.Orders, OnNATS: cfg.BrokerURL != ""}
 
 	if err := prepareChaosDB(ctx, cfg.DBPath); err != nil {
-		return report, err
-	}
-	addr, err := freeLoopbackAddr()
-	if err != nil {
 		return report, err
 	}
 	logFile, err := os.Create(cfg.DBPath + ".log")
@@ -251,12 +256,30 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	for _, user := range chaosUsers {
 		apiKeys = append(apiKeys, user.userID+":"+user.apiKey)
 	}
-	scale := "--lease-scale=" + strconv.FormatFloat(chaosLeaseScale, 'f', -1, 64)
-	processes := []*chaosProcess{
-		{name: "serve", args: []string{"serve", "--db", cfg.DBPath, "--addr", addr, "--workers=false", scale},
-			env: []string{"RETRYSAFE_API_KEYS=" + strings.Join(apiKeys, ",")}, log: log},
-		{name: "relay", args: []string{"relay", "--db", cfg.DBPath, scale}, log: log},
-		{name: "worker", args: []string{"worker", "--db", cfg.DBPath, scale}, log: log},
+	common := []string{"--db", cfg.DBPath, "--lease-scale=" + strconv.FormatFloat(chaosLeaseScale, 'f', -1, 64)}
+	if cfg.BrokerURL != "" {
+		// A stream of this run's own: nothing left in it by another run.
+		stream := fmt.Sprintf("CHAOS%d_%d", cfg.Seed, time.Now().UnixNano())
+		common = append(common, "--broker", cfg.BrokerURL, "--nats-stream", stream)
+		defer deleteNATSStream(cfg.BrokerURL, stream)
+	}
+	var processes []*chaosProcess
+	var bases []string
+	for i := range cfg.Serves {
+		addr, err := freeLoopbackAddr()
+		if err != nil {
+			return report, err
+		}
+		bases = append(bases, "http://"+addr)
+		processes = append(processes, &chaosProcess{name: fmt.Sprintf("serve-%d", i),
+			args: append([]string{"serve", "--addr", addr, "--workers=false"}, common...),
+			env:  []string{"RETRYSAFE_API_KEYS=" + strings.Join(apiKeys, ",")}, log: log})
+	}
+	for i := range cfg.Relays {
+		processes = append(processes, &chaosProcess{name: fmt.Sprintf("relay-%d", i), args: append([]string{"relay"}, common...), log: log})
+	}
+	for i := range cfg.Workers {
+		processes = append(processes, &chaosProcess{name: fmt.Sprintf("worker-%d", i), args: append([]string{"worker"}, common...), log: log})
 	}
 	for _, p := range processes {
 		if err := p.start(cfg.Binary); err != nil {
@@ -273,9 +296,10 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		Timeout:   3 * time.Second,
 		Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Clients},
 	}
-	base := "http://" + addr
-	if err := waitHealthy(ctx, client, base); err != nil {
-		return report, err
+	for _, base := range bases {
+		if err := waitHealthy(ctx, client, base); err != nil {
+			return report, err
+		}
 	}
 
 	orders := chaosSchedule(cfg)
@@ -296,7 +320,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		go func() {
 			defer clients.Done()
 			for order := range queue {
-				runChaosOrder(ctx, client, base, order, &c, clientViolation)
+				runChaosOrder(ctx, client, bases[order.index%len(bases)], order, &c, clientViolation)
 				finished.Add(1)
 			}
 		}()
@@ -375,6 +399,18 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	}
 	report.Elapsed = time.Since(start)
 	return report, nil
+}
+
+// deleteNATSStream removes a chaos run's stream.
+func deleteNATSStream(url, stream string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	broker, err := openNATSBroker(ctx, url, stream, ackWait)
+	if err != nil {
+		return
+	}
+	defer broker.close()
+	broker.js.DeleteStream(ctx, stream)
 }
 
 // lockedWriter serialises writes of several processes to one log.
@@ -665,8 +701,12 @@ func printChaosReport(w io.Writer, r chaosReport) {
 	row("500 answers", r.ServerErrors)
 	fmt.Fprintln(w, "duplicates absorbed")
 	row("idempotency key replays", r.Replays)
-	row("broker dedupes (republished events)", r.BrokerDedupes)
-	row("broker redeliveries", r.Redeliveries)
+	if r.OnNATS {
+		row("broker dedupes and redeliveries", "counted by NATS, not here")
+	} else {
+		row("broker dedupes (republished events)", r.BrokerDedupes)
+		row("broker redeliveries", r.Redeliveries)
+	}
 	row("inbox skips", r.InboxSkips)
 	row("processor key hits", r.ProcessorKeyHits)
 	fmt.Fprintln(w, "results")
@@ -690,8 +730,8 @@ func newChaosCommand() *cobra.Command {
 		Short: "Run serve, relay and worker as processes, drive orders at them, SIGKILL them at random, then audit",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if cfg.Orders <= 0 || cfg.Clients <= 0 || cfg.Kills < 0 || cfg.Duration <= 0 {
-				return errors.New("--orders, --clients and --duration must be positive, --kills not negative")
+			if cfg.Orders <= 0 || cfg.Clients <= 0 || cfg.Kills < 0 || cfg.Duration <= 0 || cfg.Serves <= 0 || cfg.Relays <= 0 || cfg.Workers <= 0 {
+				return errors.New("--orders, --clients, --duration, --serves, --relays and --workers must be positive, --kills not negative")
 			}
 			binary, err := os.Executable()
 			if err != nil {
@@ -707,8 +747,12 @@ func newChaosCommand() *cobra.Command {
 				cfg.DBPath = filepath.Join(dir, "chaos.db")
 			}
 			cfg.Progress = cmd.OutOrStdout()
-			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients, %d kills, seed %d, database %s\n",
-				cfg.Orders, cfg.Clients, cfg.Kills, cfg.Seed, cfg.DBPath)
+			broker := "the embedded broker"
+			if cfg.BrokerURL != "" {
+				broker = cfg.BrokerURL
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients to %d serve, %d relay and %d worker processes on %s; %d kills, seed %d, database %s\n",
+				cfg.Orders, cfg.Clients, cfg.Serves, cfg.Relays, cfg.Workers, broker, cfg.Kills, cfg.Seed, cfg.DBPath)
 			report, err := runChaos(cmd.Context(), cfg)
 			printChaosReport(cmd.OutOrStdout(), report)
 			if err != nil {
@@ -727,5 +771,9 @@ func newChaosCommand() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.Kills, "kills", 20, "processes to SIGKILL (and restart) during the run")
 	cmd.Flags().Uint64Var(&cfg.Seed, "seed", 1, "seed of the order mix and the kill schedule")
 	cmd.Flags().DurationVar(&cfg.Duration, "duration", 5*time.Minute, "give up if the run takes longer")
+	cmd.Flags().IntVar(&cfg.Serves, "serves", 1, "serve processes (clients are spread across them)")
+	cmd.Flags().IntVar(&cfg.Relays, "relays", 1, "relay processes")
+	cmd.Flags().IntVar(&cfg.Workers, "workers", 1, "worker processes")
+	cmd.Flags().StringVar(&cfg.BrokerURL, "broker", "", "NATS JetStream URL instead of the embedded broker")
 	return cmd
 }

@@ -103,7 +103,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL string
+	var dbPath, addr, durabilityFlag, brokerURL, stream string
 	var workers bool
 	var leaseScale float64
 	cmd := &cobra.Command{
@@ -115,7 +115,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, leaseScale)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file (created if missing)")
@@ -123,7 +123,7 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced, and concurrent orders are committed in groups")
-	addBrokerFlag(cmd, &brokerURL)
+	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
@@ -149,7 +149,7 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL string, leaseScale float64) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64) error {
 	if leaseScale <= 0 {
 		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
 	}
@@ -172,7 +172,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	defer db.Close()
 	app := newApp(db, nil, nil, nil)
 	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
-	closeBroker, err := useBroker(ctx, app, brokerURL)
+	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
 	if err != nil {
 		return err
 	}
@@ -219,42 +219,42 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 
 // newRelayCommand builds "retrysafe relay".
 func newRelayCommand() *cobra.Command {
-	var dbPath, brokerURL string
+	var dbPath, brokerURL, stream string
 	var leaseScale float64
 	cmd := &cobra.Command{
 		Use:   "relay",
 		Short: "Run the outbox relay as its own process",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", brokerURL, leaseScale, startRelayLoop)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", brokerURL, stream, leaseScale, startRelayLoop)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
-	addBrokerFlag(cmd, &brokerURL)
+	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
 
 // newWorkerCommand builds "retrysafe worker".
 func newWorkerCommand() *cobra.Command {
-	var dbPath, brokerURL string
+	var dbPath, brokerURL, stream string
 	var leaseScale float64
 	cmd := &cobra.Command{
 		Use:   "worker",
 		Short: "Run the consumers, saga recovery, refund completer and cleanup as their own process",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", brokerURL, leaseScale, startWorkerLoops)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", brokerURL, stream, leaseScale, startWorkerLoops)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
-	addBrokerFlag(cmd, &brokerURL)
+	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
 }
 
 // runLoops runs the loops that start starts until ctx is done.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL string, leaseScale float64,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
 	if leaseScale <= 0 {
 		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
@@ -268,7 +268,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL string
 	}
 	defer app.db.Close()
 	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
-	closeBroker, err := useBroker(ctx, app, brokerURL)
+	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
 	if err != nil {
 		return err
 	}
@@ -287,21 +287,25 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL string
 // natsStream is the JetStream stream retrysafe publishes to.
 const natsStream = "RETRYSAFE"
 
-// addBrokerFlag adds --broker.
-func addBrokerFlag(cmd *cobra.Command, url *string) {
+// addBrokerFlags adds --broker, and the hidden --nats-stream with which the
+// chaos run keeps its stream apart from anyone else's.
+func addBrokerFlags(cmd *cobra.Command, url, stream *string) {
 	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker")
+	cmd.Flags().StringVar(stream, "nats-stream", natsStream, "JetStream stream name")
+	cmd.Flags().MarkHidden("nats-stream")
 }
 
-// useBroker switches app to NATS JetStream if url is set, and returns what
-// closes it. Every process of one system must use the same broker.
-func useBroker(ctx context.Context, app *App, url string) (func(), error) {
+// useBroker switches app to NATS JetStream and stream if url is set, and
+// returns what closes it. Every process of one system must use the same
+// broker and stream.
+func useBroker(ctx context.Context, app *App, url, stream string) (func(), error) {
 	if url == "" {
 		return func() {}, nil
 	}
 	if !strings.HasPrefix(url, "nats://") {
 		return nil, fmt.Errorf("--broker %q: want a nats:// URL", url)
 	}
-	broker, err := openNATSBroker(ctx, url, natsStream, app.leases.ackWait)
+	broker, err := openNATSBroker(ctx, url, stream, app.leases.ackWait)
 	if err != nil {
 		return nil, err
 	}

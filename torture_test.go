@@ -59,6 +59,9 @@ func TestTorture(t *testing.T) {
 			Kills:    25,
 			Seed:     seed,
 			Duration: 4 * time.Minute,
+			Serves:   1,
+			Relays:   1,
+			Workers:  1,
 		}
 		report, err := runChaos(context.Background(), cfg)
 		var table bytes.Buffer
@@ -80,5 +83,49 @@ func TestTorture(t *testing.T) {
 		if time.Now().After(deadline) {
 			return
 		}
+	}
+}
+
+// Ensure the same holds with three serve, two relay and two worker
+// processes sharing the file, on the embedded broker and, when
+// RETRYSAFE_TEST_NATS is set, on NATS JetStream.
+func TestTortureScaleOut(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the torture test runs processes for about a minute; skipped with -short")
+	}
+	binary := buildBinary(t)
+	brokers := map[string]string{"embedded": ""}
+	if url := os.Getenv("RETRYSAFE_TEST_NATS"); url != "" {
+		brokers["nats"] = url
+	} else {
+		t.Log("RETRYSAFE_TEST_NATS is not set: the NATS JetStream run is skipped")
+	}
+	for name, url := range brokers {
+		t.Run(name, func(t *testing.T) {
+			cfg := chaosConfig{
+				Binary:    binary,
+				DBPath:    filepath.Join(t.TempDir(), "chaos.db"),
+				Orders:    1500,
+				Clients:   16,
+				Kills:     15,
+				Seed:      42,
+				Duration:  4 * time.Minute,
+				Serves:    3,
+				Relays:    2,
+				Workers:   2,
+				BrokerURL: url,
+			}
+			report, err := runChaos(context.Background(), cfg)
+			var table bytes.Buffer
+			printChaosReport(&table, report)
+			t.Logf("%s", table.String())
+			if err != nil {
+				t.Fatalf("%v (process logs in %s.log)", err, cfg.DBPath)
+			}
+			if report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders {
+				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs in %s.log",
+					report.Kills, report.Created, cfg.Kills, cfg.Orders, cfg.DBPath)
+			}
+		})
 	}
 }
