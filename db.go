@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -123,6 +124,39 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err := migrate(ctx, db); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("migrate %s: %w", path, err)
+	}
+	return db, nil
+}
+
+// openReadOnlyDB opens an existing database for reading only, as inspect and
+// check do: they may run beside a live system, and must never write to it,
+// not even a migration. Returns an error if the file does not exist or is
+// at another schema version than this program's.
+func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
+	if _, err := os.Stat(path); err != nil {
+		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
+	}
+	query := url.Values{}
+	query.Set("mode", "ro")
+	query.Add("_pragma", "busy_timeout(10000)")
+	db, err := sql.Open("sqlite", "file:"+path+"?"+query.Encode())
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", path, err)
+	}
+	db.SetMaxOpenConns(1)
+	migrations, err := schemaMigrations()
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	var version int
+	if err := db.QueryRowContext(ctx, `PRAGMA user_version`).Scan(&version); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("read %s: %w", path, err)
+	}
+	if version != len(migrations) {
+		db.Close()
+		return nil, fmt.Errorf("%s is at schema version %d, this program reads version %d; run 'retrysafe serve --db %s' once to migrate it", path, version, len(migrations), path)
 	}
 	return db, nil
 }

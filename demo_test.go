@@ -85,6 +85,13 @@ func TestCommands(t *testing.T) {
 		if out, err := runCLI(t, "demo", "--db", path); err != nil {
 			t.Fatalf("demo: %v\n%s", err, out)
 		}
+		before, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out, err := runCLI(t, "check", "--db", path); err != nil || !strings.Contains(out, "ok: all") {
+			t.Fatalf("check: %v\n%s", err, out)
+		}
 		out, err := runCLI(t, "inspect", "--db", path)
 		if err != nil || !strings.Contains(out, "orders (2 rows)") || !strings.Contains(out, "processor_refunds (1 row)") {
 			t.Fatalf("inspect: %v\n%s", err, out)
@@ -92,6 +99,9 @@ func TestCommands(t *testing.T) {
 		out, err = runCLI(t, "inspect", "--db", path, "--json")
 		if err != nil || !strings.Contains(out, `"saga_steps"`) {
 			t.Fatalf("inspect --json: %v\n%s", err, out)
+		}
+		if after, err := os.ReadFile(path); err != nil || !bytes.Equal(before, after) {
+			t.Fatalf("check or inspect changed the database file (%v)", err)
 		}
 		out, err = runCLI(t, "cleanup", "--db", path)
 		if err != nil || !strings.Contains(out, "deleted 3 expired idempotency keys") {

@@ -426,12 +426,12 @@ func newInspectCommand() *cobra.Command {
 		Short: "Print every layer's tables (aligned text, or --json)",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			app, err := openExistingApp(cmd.Context(), dbPath)
+			db, err := openReadOnlyDB(cmd.Context(), dbPath)
 			if err != nil {
 				return err
 			}
-			defer app.db.Close()
-			return inspect(cmd.Context(), app.db, cmd.OutOrStdout(), asJSON)
+			defer db.Close()
+			return inspect(cmd.Context(), db, cmd.OutOrStdout(), asJSON)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
@@ -492,20 +492,21 @@ func newCheckCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "check",
 		Short: "Audit a database: exits 1 and prints each violation if anything happened twice or was lost",
-		Long: `check audits a database for what the four layers promise: no key maps to
-two orders, every order has one OrderCreated event, every message is applied
-at most once per consumer, no order is charged twice, stock is conserved.
+		Long: `check audits a database, read-only, for what the four layers promise: no
+key maps to two orders, every order has one OrderCreated event and announces
+its payment at most once, no order is charged twice, refunds add up, stock is
+conserved.
 By default it also checks what holds once the system is quiet (every saga
 terminal, every event published, every key finished); stop the workers first,
 or pass --in-flight to skip those while work is still going on.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			app, err := openExistingApp(cmd.Context(), dbPath)
+			db, err := openReadOnlyDB(cmd.Context(), dbPath)
 			if err != nil {
 				return err
 			}
-			defer app.db.Close()
-			violations, err := audit(cmd.Context(), app.db, time.Now(), !inFlight)
+			defer db.Close()
+			violations, err := audit(cmd.Context(), db, time.Now(), !inFlight)
 			if err != nil {
 				return err
 			}
