@@ -349,7 +349,7 @@ func (d *demo) run(ctx context.Context) error {
 	}
 	var duplicates int
 	if err := d.app.db.QueryRowContext(ctx, `SELECT duplicates FROM broker_messages`).Scan(&duplicates); err != nil {
-		return err
+		return fmt.Errorf("read broker duplicates: %w", err)
 	}
 	d.say("outbox: published again with the same event_id as message id; the broker dropped the copy")
 	if err := d.check(d.count(ctx, `SELECT COUNT(*) FROM broker_messages`) == 1 && duplicates == 1,
@@ -364,7 +364,7 @@ func (d *demo) run(ctx context.Context) error {
 	}
 	var eventID string
 	if err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID).Scan(&eventID); err != nil {
-		return err
+		return fmt.Errorf("read the OrderCreated event id: %w", err)
 	}
 	embedded, ok := d.app.broker.(*embeddedBroker)
 	if !ok {
@@ -404,7 +404,7 @@ func (d *demo) run(ctx context.Context) error {
 	}
 	var keyHits int
 	if err := d.app.db.QueryRowContext(ctx, `SELECT key_hits FROM processor_charges WHERE order_id = ?`, orderID).Scan(&keyHits); err != nil {
-		return err
+		return fmt.Errorf("read processor key hits: %w", err)
 	}
 	d.say("processor: the key matched the first charge, so it answered with it instead of charging again")
 	if err := d.check(saga.Status == sagaCompleted && keyHits == 1 &&
