@@ -188,7 +188,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s)\n", listener.Addr(), dbPath, d)
+	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s, %s)\n", listener.Addr(), dbPath, d, brokerName(brokerURL, stream))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -278,7 +278,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	}
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
-	logger.Info("started", "role", role, "db", dbPath)
+	logger.Info("started", "role", role, "db", dbPath, "broker", brokerName(brokerURL, stream))
 	loops.Wait()
 	logger.Info("stopped", "role", role)
 	return nil
@@ -287,12 +287,20 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 // natsStream is the JetStream stream retrysafe publishes to.
 const natsStream = "RETRYSAFE"
 
-// addBrokerFlags adds --broker, and the hidden --nats-stream with which the
-// chaos run keeps its stream apart from anyone else's.
+// addBrokerFlags adds --broker and --nats-stream. A stream belongs to one
+// database: its durable consumers would hand a new database the old one's
+// events.
 func addBrokerFlags(cmd *cobra.Command, url, stream *string) {
 	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker")
-	cmd.Flags().StringVar(stream, "nats-stream", natsStream, "JetStream stream name")
-	cmd.Flags().MarkHidden("nats-stream")
+	cmd.Flags().StringVar(stream, "nats-stream", natsStream, "JetStream stream name with --broker; one stream per database")
+}
+
+// brokerName says which broker a process uses, for its start-up line.
+func brokerName(url, stream string) string {
+	if url == "" {
+		return "embedded broker"
+	}
+	return "NATS JetStream " + url + " stream " + stream
 }
 
 // useBroker switches app to NATS JetStream and stream if url is set, and
@@ -360,6 +368,11 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 	for _, c := range app.consumers() {
 		startLoop(ctx, wg, logger, "consume "+c.name, workerIdle, func(ctx context.Context) (int, error) {
 			results, err := app.consumeOnce(ctx, c, consumeBatchSize)
+			for _, result := range results {
+				if result.Outcome == inboxPoison {
+					logger.Warn("poison message", "consumer", c.name, "message_id", result.MessageID, "error", result.Err)
+				}
+			}
 			return len(results), err
 		})
 	}
