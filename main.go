@@ -219,32 +219,26 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 
 // newRelayCommand builds "retrysafe relay".
 func newRelayCommand() *cobra.Command {
-	var dbPath, brokerURL, stream string
-	var leaseScale float64
-	cmd := &cobra.Command{
-		Use:   "relay",
-		Short: "Run the outbox relay as its own process",
-		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "relay", brokerURL, stream, leaseScale, startRelayLoop)
-		},
-	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
-	addBrokerFlags(cmd, &brokerURL, &stream)
-	addLeaseScaleFlag(cmd, &leaseScale)
-	return cmd
+	return newLoopCommand("relay", "Run the outbox relay as its own process", startRelayLoop)
 }
 
 // newWorkerCommand builds "retrysafe worker".
 func newWorkerCommand() *cobra.Command {
+	return newLoopCommand("worker", "Run the consumers, saga recovery, refund completer and cleanup as their own process", startWorkerLoops)
+}
+
+// newLoopCommand builds a command that runs the loops start starts, as a
+// process of its own beside serve.
+func newLoopCommand(role, short string,
+	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
 	var dbPath, brokerURL, stream string
 	var leaseScale float64
 	cmd := &cobra.Command{
-		Use:   "worker",
-		Short: "Run the consumers, saga recovery, refund completer and cleanup as their own process",
+		Use:   role,
+		Short: short,
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, "worker", brokerURL, stream, leaseScale, startWorkerLoops)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
