@@ -425,7 +425,7 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := d.check(orderField(paid.body, "status") == orderPaid, "order %s is paid", orderID); err != nil {
+	if err := d.check(orderField(paid.body, "status") == string(orderPaid), "order %s is paid", orderID); err != nil {
 		return err
 	}
 
@@ -467,7 +467,7 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := d.check(orderField(cancelled.body, "status") == orderCancelled, "order %s is cancelled, not left paid", declinedID); err != nil {
+	if err := d.check(orderField(cancelled.body, "status") == string(orderCancelled), "order %s is cancelled, not left paid", declinedID); err != nil {
 		return err
 	}
 

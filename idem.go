@@ -39,10 +39,12 @@ var (
 	errKeyInProgress = errors.New("a request with this idempotency key is in progress")
 )
 
-// Key status values (idempotency_keys.status).
+// keyStatus is idempotency_keys.status.
+type keyStatus string
+
 const (
-	keyProcessing = "processing"
-	keyCompleted  = "completed"
+	keyProcessing keyStatus = "processing"
+	keyCompleted  keyStatus = "completed"
 )
 
 // idempotentRequest is one API call as the idempotency layer sees it.
@@ -115,7 +117,7 @@ type idempotencyKeyRow struct {
 	RequestPath    string
 	RequestHash    string
 	RequestParams  []byte
-	Status         string
+	Status         keyStatus
 	RecoveryPoint  recoveryPoint
 	LockedAt       sql.NullString
 	ResponseStatus sql.NullInt64

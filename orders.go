@@ -19,12 +19,14 @@ import (
 	"time"
 )
 
-// Order statuses (orders.status).
+// orderStatus is orders.status.
+type orderStatus string
+
 const (
-	orderCreated   = "created"
-	orderPaid      = "paid"
-	orderCancelled = "cancelled"
-	orderRefunded  = "refunded"
+	orderCreated   orderStatus = "created"
+	orderPaid      orderStatus = "paid"
+	orderCancelled orderStatus = "cancelled"
+	orderRefunded  orderStatus = "refunded"
 )
 
 // Limits on a create request. maxAmountCents is Stripe's limit for a USD
@@ -245,7 +247,7 @@ type orderRow struct {
 	Currency       string
 	Items          []orderItem
 	PaymentMethod  string
-	Status         string
+	Status         orderStatus
 	IdempotencyKey string
 	ChargeID       sql.NullString
 	RefundedCents  int64
@@ -256,7 +258,7 @@ type orderRow struct {
 // orderView is the order as the API shows it.
 type orderView struct {
 	OrderID       string       `json:"order_id"`
-	Status        string       `json:"status"`
+	Status        orderStatus  `json:"status"`
 	AmountCents   int64        `json:"amount_cents"`
 	Currency      string       `json:"currency"`
 	Items         []orderItem  `json:"items"`
@@ -373,7 +375,7 @@ func (a *App) applyPaymentResult(ctx context.Context, tx *sql.Tx, msg message) e
 
 // setOrderStatus moves an order from one status to another and sets one more
 // column. Returns a permanent error if the order is missing or not in from.
-func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID, from, to string, now time.Time, set string, value any) error {
+func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID string, from, to orderStatus, now time.Time, set string, value any) error {
 	result, err := tx.ExecContext(ctx,
 		`UPDATE orders SET status = ?, updated_at = ?, `+set+` WHERE order_id = ? AND status = ?`,
 		to, formatTime(now), value, orderID, from)

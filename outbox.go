@@ -60,11 +60,13 @@ type orderRefundedPayload struct {
 	AmountCents int64  `json:"amount_cents"`
 }
 
-// Outbox statuses (outbox_events.status).
+// outboxStatus is outbox_events.status.
+type outboxStatus string
+
 const (
-	outboxPending   = "pending"
-	outboxPublished = "published"
-	outboxFailed    = "failed"
+	outboxPending   outboxStatus = "pending"
+	outboxPublished outboxStatus = "published"
+	outboxFailed    outboxStatus = "failed"
 )
 
 // Batch sizes of the background jobs.

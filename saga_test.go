@@ -61,7 +61,7 @@ func TestSaga(t *testing.T) {
 		if got := sagaSteps(t, env, orderID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
 			t.Fatalf("saga: %s", got)
 		}
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderPaid {
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
 			t.Fatalf("order is %s, want paid", got)
 		}
 		if got := env.count(t, `
@@ -82,7 +82,7 @@ func TestSaga(t *testing.T) {
 	t.Run("TimeoutChargesOnce", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardTimeout))
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderPaid {
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
 			t.Fatalf("order is %s, want paid", got)
 		}
 		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(key_hits) FROM processor_charges`); got != "1:1" {
@@ -139,7 +139,7 @@ func TestSaga(t *testing.T) {
 		if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
 			t.Fatalf("sku-1 stock %s, want 1000/0/0", got)
 		}
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != orderCancelled {
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderCancelled) {
 			t.Fatalf("order is %s, want cancelled", got)
 		}
 	})

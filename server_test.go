@@ -38,7 +38,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 			t.Fatalf("got %d replayed=%q, want 201 not replayed", first.Status, first.Header.Get("Idempotent-Replayed"))
 		}
 		orderID := orderField([]byte(first.Body), "order_id")
-		if first.Header.Get("Location") != "/api/orders/"+orderID || orderField([]byte(first.Body), "status") != orderCreated {
+		if first.Header.Get("Location") != "/api/orders/"+orderID || orderField([]byte(first.Body), "status") != string(orderCreated) {
 			t.Fatalf("got Location %q and body %s", first.Header.Get("Location"), first.Body)
 		}
 		second := call(t, ts, "POST", "/api/orders", keyUser42, "k1", body)

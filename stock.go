@@ -11,11 +11,13 @@ import (
 	"time"
 )
 
-// Reservation statuses (stock_reservations.status).
+// reservationStatus is stock_reservations.status.
+type reservationStatus string
+
 const (
-	stockReserved = "reserved"
-	stockReleased = "released"
-	stockSold     = "sold"
+	stockReserved reservationStatus = "reserved"
+	stockReleased reservationStatus = "released"
+	stockSold     reservationStatus = "sold"
 )
 
 // reserveStock holds every item of order, in tx. Returns errOutOfStock
@@ -51,7 +53,7 @@ func reserveStock(ctx context.Context, tx *sql.Tx, order orderRow, now time.Time
 // settleReservations moves every hold of an order that is still reserved to
 // to (sold or released), and the stock counts with it. Holds already settled
 // are left alone.
-func settleReservations(ctx context.Context, tx *sql.Tx, orderID, to string, now time.Time) error {
+func settleReservations(ctx context.Context, tx *sql.Tx, orderID string, to reservationStatus, now time.Time) error {
 	var column string
 	switch to {
 	case stockSold:
