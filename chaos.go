@@ -173,12 +173,18 @@ func (p *chaosProcess) start(binary string) error {
 	return nil
 }
 
+// current returns the running command, if any, and what closes when it
+// exits.
+func (p *chaosProcess) current() (*exec.Cmd, chan struct{}) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd, p.done
+}
+
 // kill sends SIGKILL, the crash no code can clean up after, and waits for
 // the process to be gone.
 func (p *chaosProcess) kill() {
-	p.mu.Lock()
-	cmd, done := p.cmd, p.done
-	p.mu.Unlock()
+	cmd, done := p.current()
 	if cmd == nil {
 		return
 	}
@@ -189,9 +195,7 @@ func (p *chaosProcess) kill() {
 // stop asks the process to shut down gracefully (SIGTERM) and kills it if
 // it has not within 15s.
 func (p *chaosProcess) stop() {
-	p.mu.Lock()
-	cmd, done := p.cmd, p.done
-	p.mu.Unlock()
+	cmd, done := p.current()
 	if cmd == nil {
 		return
 	}

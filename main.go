@@ -78,12 +78,17 @@ func newRootCommand() *cobra.Command {
 }
 
 // openExistingApp opens an App over a database that must already exist: a
-// typo in --db should say so, not quietly create an empty file.
+// typo in --db should say so, not quietly create an empty file. Its
+// consumers are not subscribed yet; see startProcess.
 func openExistingApp(ctx context.Context, path string) (*App, error) {
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
 	}
-	return openApp(ctx, path, nil, nil, nil)
+	db, err := openDB(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	return newApp(db, nil, nil, nil), nil
 }
 
 // openApp opens (creating if needed) the database at path and returns an App
@@ -150,8 +155,8 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
 func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64) error {
-	if leaseScale <= 0 {
-		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
+	if err := checkLeaseScale(leaseScale); err != nil {
+		return err
 	}
 	apiKeys, webhookSecret, err := serveConfig(out)
 	if err != nil {
@@ -171,15 +176,11 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer db.Close()
 	app := newApp(db, nil, nil, nil)
-	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
-	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
-	if err := app.subscribeConsumers(ctx); err != nil {
-		return err
-	}
 	groupCtx, stopGroup := context.WithCancel(context.Background())
 	defer stopGroup()
 	if d == durabilityFull {
@@ -250,8 +251,8 @@ func newLoopCommand(role, short string,
 // runLoops runs the loops that start starts until ctx is done.
 func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
-	if leaseScale <= 0 {
-		return fmt.Errorf("--lease-scale must be positive, not %v", leaseScale)
+	if err := checkLeaseScale(leaseScale); err != nil {
+		return err
 	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
 	// The relay and the worker serve a database that serve created; a typo
@@ -261,21 +262,41 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer app.db.Close()
-	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
-	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
-	if err := app.subscribeConsumers(ctx); err != nil {
-		return err
-	}
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
 	logger.Info("started", "role", role, "db", dbPath, "broker", brokerName(brokerURL, stream))
 	loops.Wait()
 	logger.Info("stopped", "role", role)
 	return nil
+}
+
+// checkLeaseScale rejects a --lease-scale that is not positive.
+func checkLeaseScale(scale float64) error {
+	if scale <= 0 {
+		return fmt.Errorf("--lease-scale must be positive, not %v", scale)
+	}
+	return nil
+}
+
+// startProcess readies app for a long-running process (serve, relay,
+// worker): its leases, its broker, its consumers' subscriptions. It returns
+// what closes the broker.
+func startProcess(ctx context.Context, app *App, leaseScale float64, brokerURL, stream string) (func(), error) {
+	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
+	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
+	if err != nil {
+		return nil, err
+	}
+	if err := app.subscribeConsumers(ctx); err != nil {
+		closeBroker()
+		return nil, err
+	}
+	return closeBroker, nil
 }
 
 // natsStream is the JetStream stream retrysafe publishes to.
