@@ -96,7 +96,7 @@ func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error
 			var seq int64
 			err := tx.QueryRowContext(ctx, `
 				INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
-				ON CONFLICT (message_id) DO UPDATE SET duplicates = duplicates + 1
+				ON CONFLICT (message_id) DO UPDATE SET duplicates = broker_messages.duplicates + 1
 				RETURNING seq`,
 				msg.ID, msg.Subject, msg.Payload, now,
 			).Scan(&seq)
@@ -123,7 +123,8 @@ func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error
 // DeliveryCount.
 func (b *embeddedBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
 	var deliveries []delivery
-	err := withTx(ctx, b.db, func(tx *sql.Tx) error {
+	err := withClaimTx(ctx, b.db, func(tx *sql.Tx) error {
+		deliveries = nil
 		now := b.now()
 		rows, err := tx.QueryContext(ctx, `
 			UPDATE broker_deliveries
@@ -132,7 +133,7 @@ func (b *embeddedBroker) fetch(ctx context.Context, subscriber string, max int) 
 				SELECT message_seq FROM broker_deliveries
 				WHERE subscriber = ? AND status = 'pending' AND visible_at <= ?
 				ORDER BY message_seq
-				LIMIT ?)
+				LIMIT ? `+dialectOf(b.db).skipLocked+`)
 			RETURNING message_seq, delivery_count`,
 			formatTime(now.Add(b.ackWait)), subscriber, subscriber, formatTime(now), max)
 		if err != nil {

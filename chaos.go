@@ -12,7 +12,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -220,8 +219,8 @@ func freeLoopbackAddr() (string, error) {
 // prepareChaosDB creates the run's database with enough stock for every
 // order (and sku-rare short, so some orders are cancelled for stock).
 func prepareChaosDB(ctx context.Context, path string) error {
-	if _, err := os.Stat(path); err == nil {
-		return fmt.Errorf("%s already exists; chaos starts from a new database", path)
+	if err := requireNewDatabase(ctx, path); err != nil {
+		return fmt.Errorf("chaos starts from a new database: %w", err)
 	}
 	app, err := openApp(ctx, path, nil, nil, nil)
 	if err != nil {
@@ -579,7 +578,7 @@ func runChaosOrder(ctx context.Context, client *http.Client, base string, order 
 // waitQuiet waits until no work is left: every event published and
 // delivered, every saga terminal, every key finished.
 func waitQuiet(ctx context.Context, path string) error {
-	db, err := sql.Open("sqlite", "file:"+path+"?mode=ro&_pragma=busy_timeout(10000)")
+	db, err := openReadOnlyDB(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -624,7 +623,7 @@ func auditChaos(ctx context.Context, path string, orders []*chaosOrder, report *
 	if err != nil {
 		return err
 	}
-	report.Invariants = len(invariants())
+	report.Invariants = len(invariants(sqliteDialect()))
 
 	for _, order := range orders {
 		if order.gotOrderID == "" {

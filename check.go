@@ -19,6 +19,9 @@ type invariant struct {
 	// settledOnly marks promises that hold once the system is quiet, not
 	// while work is in flight.
 	settledOnly bool
+	// sinceRecent marks a query that takes one parameter: the oldest
+	// created_at whose events cleanup has certainly not deleted.
+	sinceRecent bool
 	query       string
 }
 
@@ -28,28 +31,27 @@ type violation struct {
 	Detail    string `json:"detail"`
 }
 
-// invariants returns every invariant. Queries take no parameters but
-// :recent, the oldest created_at whose events cleanup has certainly not
-// deleted.
-func invariants() []invariant {
+// invariants returns every invariant, its queries written for d.
+func invariants(d *dialect) []invariant {
+	respondedOrderID := d.jsonField("k.response_body", "order_id")
 	return []invariant{
 		{name: "an idempotency key maps to at most one order", query: `
 			SELECT a.user_id || ' key ' || a.idempotency_key || ' made orders ' || a.order_id || ' and ' || b.order_id
 			FROM orders a JOIN orders b
 			  ON a.user_id = b.user_id AND a.idempotency_key = b.idempotency_key AND a.order_id < b.order_id
-			WHERE abs(julianday(a.created_at) - julianday(b.created_at)) < 1.0`},
+			WHERE ` + d.withinADay("a.created_at", "b.created_at")},
 		{name: "every stored 201 names an order of that user", query: `
 			SELECT k.user_id || ' key ' || k.idempotency_key || ' answered order ' ||
-			       COALESCE(json_extract(CAST(k.response_body AS TEXT), '$.order_id'), '?') || ', which does not exist'
+			       COALESCE(` + respondedOrderID + `, '?') || ', which does not exist'
 			FROM idempotency_keys k
 			WHERE k.request_path = '/api/orders' AND k.response_status = 201
 			  AND NOT EXISTS (SELECT 1 FROM orders o
-			                  WHERE o.order_id = json_extract(CAST(k.response_body AS TEXT), '$.order_id') AND o.user_id = k.user_id)`},
-		{name: "every order has exactly one OrderCreated event", query: `
+			                  WHERE o.order_id = ` + respondedOrderID + ` AND o.user_id = k.user_id)`},
+		{name: "every order has exactly one OrderCreated event", sinceRecent: true, query: `
 			SELECT o.order_id || ' has ' || COUNT(e.seq) || ' OrderCreated events'
 			FROM orders o LEFT JOIN outbox_events e ON e.aggregate_id = o.order_id AND e.event_type = 'OrderCreated'
 			GROUP BY o.order_id
-			HAVING COUNT(e.seq) > 1 OR (COUNT(e.seq) = 0 AND o.created_at >= :recent)`},
+			HAVING COUNT(e.seq) > 1 OR (COUNT(e.seq) = 0 AND o.created_at >= ?)`},
 		{name: "every order announces its payment at most once", query: `
 			SELECT aggregate_id || ' has ' || COUNT(*) || ' ' || event_type || ' events'
 			FROM outbox_events WHERE event_type IN ('PaymentCaptured', 'OrderCancelled')
@@ -103,10 +105,10 @@ func invariants() []invariant {
 		{name: "once quiet, a paid order sold all its items", settledOnly: true, query: `
 			SELECT o.order_id || ' is ' || o.status || ' but sold ' ||
 			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') ||
-			       ' of ' || json_array_length(o.items) || ' items'
+			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items'
 			FROM orders o
 			WHERE o.status IN ('paid', 'refunded')
-			  AND (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> json_array_length(o.items)`},
+			  AND (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> ` + d.jsonArrayLength("o.items")},
 		{name: "once quiet, nothing is reserved", settledOnly: true, query: `
 			SELECT sku || ' still has ' || reserved || ' reserved' FROM stock_items WHERE reserved <> 0`},
 		{name: "once quiet, every saga is terminal and agrees with its order", settledOnly: true, query: `
@@ -131,11 +133,15 @@ func invariants() []invariant {
 func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]violation, error) {
 	recent := formatTime(now.Add(-messageRetention))
 	var violations []violation
-	for _, inv := range invariants() {
+	for _, inv := range invariants(dialectOf(db)) {
 		if inv.settledOnly && !settled {
 			continue
 		}
-		rows, err := db.QueryContext(ctx, inv.query, sql.Named("recent", recent))
+		var args []any
+		if inv.sinceRecent {
+			args = append(args, recent)
+		}
+		rows, err := db.QueryContext(ctx, inv.query, args...)
 		if err != nil {
 			return nil, fmt.Errorf("check %q: %w", inv.name, err)
 		}
@@ -161,7 +167,7 @@ func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]viol
 // It returns an error if there is any violation.
 func printAudit(w io.Writer, violations []violation, settled bool) error {
 	checked := 0
-	for _, inv := range invariants() {
+	for _, inv := range invariants(sqliteDialect()) { // names and flags are the same in every dialect
 		if settled || !inv.settledOnly {
 			checked++
 		}

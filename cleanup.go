@@ -46,8 +46,8 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 		return result, fmt.Errorf("delete published events: %w", err)
 	}
 	_, err = a.deleteInBatches(ctx, `
-		DELETE FROM broker_deliveries WHERE rowid IN (
-			SELECT rowid FROM broker_deliveries WHERE status = 'acked' AND acked_at <= ? LIMIT ?)`, retainedSince)
+		DELETE FROM broker_deliveries WHERE (subscriber, message_seq) IN (
+			SELECT subscriber, message_seq FROM broker_deliveries WHERE status = 'acked' AND acked_at <= ? LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete acked deliveries: %w", err)
 	}

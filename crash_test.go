@@ -185,7 +185,7 @@ func TestCrashAtEveryFaultPoint(t *testing.T) {
 			if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 5 {
 				t.Fatalf("got %d orders, want 5", got)
 			}
-			if got := env.str(t, `SELECT GROUP_CONCAT(status, ',') FROM (SELECT status FROM orders ORDER BY amount_cents)`); got != "cancelled,cancelled,paid,paid,paid" {
+			if got := env.str(t, `SELECT string_agg(status, ',' ORDER BY amount_cents) FROM orders`); got != "cancelled,cancelled,paid,paid,paid" {
 				t.Fatalf("order statuses by amount: %s", got)
 			}
 			if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {

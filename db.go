@@ -10,6 +10,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	mathrand "math/rand/v2"
 	"net/url"
 	"os"
 	"regexp"
@@ -76,14 +77,23 @@ func parseDurability(s string) (durability, error) {
 
 // openDB opens (creating if needed) the SQLite file at path with the
 // default durability and migrates it to the schema embedded in schema.sql.
+// A postgres:// URL opens PostgreSQL instead (see postgres.go).
 func openDB(ctx context.Context, path string) (*sql.DB, error) {
 	return openDBWith(ctx, path, durabilityNormal)
 }
 
-// openDBWith is openDB with a chosen durability.
+// openDBWith is openDB with a chosen durability. The durability is SQLite's:
+// PostgreSQL's is the server's synchronous_commit, so a postgres:// URL
+// accepts only the default.
 func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error) {
 	if path == "" {
 		return nil, errors.New("database path is empty")
+	}
+	if isPostgresURL(path) {
+		if d != durabilityNormal {
+			return nil, fmt.Errorf("--durability %s is for SQLite; on PostgreSQL set synchronous_commit on the server", d)
+		}
+		return openPostgres(ctx, path)
 	}
 	query := url.Values{}
 	for _, pragma := range sqlitePragmas {
@@ -133,6 +143,9 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 // not even a migration. Returns an error if the file does not exist or is
 // at another schema version than this program's.
 func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
+	if isPostgresURL(path) {
+		return openReadOnlyPostgres(ctx, path)
+	}
 	if _, err := os.Stat(path); err != nil {
 		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
 	}
@@ -144,36 +157,73 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
 	db.SetMaxOpenConns(1)
-	migrations, err := schemaMigrations()
-	if err != nil {
+	if err := checkSchemaVersion(ctx, db, path); err != nil {
 		db.Close()
 		return nil, err
-	}
-	var version int
-	if err := db.QueryRowContext(ctx, `PRAGMA user_version`).Scan(&version); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("read %s: %w", path, err)
-	}
-	if version != len(migrations) {
-		db.Close()
-		return nil, fmt.Errorf("%s is at schema version %d, this program reads version %d; run 'retrysafe serve --db %s' once to migrate it", path, version, len(migrations), path)
 	}
 	return db, nil
 }
 
+// requireNewDatabase returns an error unless target is a database that
+// retrysafe has not created yet: no SQLite file at the path, or a PostgreSQL
+// database without retrysafe's tables. The demo and chaos runs tell a story
+// from an empty database, and must not write into someone's data.
+func requireNewDatabase(ctx context.Context, target string) error {
+	if !isPostgresURL(target) {
+		if _, err := os.Stat(target); err == nil {
+			return fmt.Errorf("%s already exists; remove it or name another file", target)
+		}
+		return nil
+	}
+	db, err := connectPostgres(ctx, target)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	var exists bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('schema_migrations') IS NOT NULL`).Scan(&exists); err != nil {
+		return fmt.Errorf("look at %s: %w", redactURL(target), err)
+	}
+	if exists {
+		return fmt.Errorf("%s already holds retrysafe's tables; create a new database (createdb) or name another", redactURL(target))
+	}
+	return nil
+}
+
+// checkSchemaVersion returns an error unless the database called name is at
+// this program's schema version.
+func checkSchemaVersion(ctx context.Context, db *sql.DB, name string) error {
+	d := dialectOf(db)
+	migrations, err := schemaMigrations(d.schema)
+	if err != nil {
+		return err
+	}
+	var version int
+	err = db.QueryRowContext(ctx, d.readVersion).Scan(&version)
+	if postgresCode(err) == pgUndefinedTable {
+		version = 0
+	} else if err != nil {
+		return fmt.Errorf("read %s: %w", name, err)
+	}
+	if version != len(migrations) {
+		return fmt.Errorf("%s is at schema version %d, this program reads version %d; run 'retrysafe serve --db %s' once to migrate it", name, version, len(migrations), name)
+	}
+	return nil
+}
+
 // migrationHeader matches the "-- version N" lines that start each section
-// of schema.sql.
+// of schema.sql and schema_postgres.sql.
 var migrationHeader = regexp.MustCompile(`(?m)^-- version (\d+)\s*$`)
 
-// schemaMigrations splits schema.sql into its numbered sections. It returns
-// an error if the numbers do not run 1, 2, 3...
-func schemaMigrations() ([]string, error) {
+// schemaMigrations splits a schema file into its numbered sections. It
+// returns an error if the numbers do not run 1, 2, 3...
+func schemaMigrations(schemaSQL string) ([]string, error) {
 	headers := migrationHeader.FindAllStringSubmatchIndex(schemaSQL, -1)
 	var migrations []string
 	for i, header := range headers {
 		version, err := strconv.Atoi(schemaSQL[header[2]:header[3]])
 		if err != nil || version != i+1 {
-			return nil, fmt.Errorf("bug: schema.sql section %d is labelled version %s", i+1, schemaSQL[header[2]:header[3]])
+			return nil, fmt.Errorf("bug: schema section %d is labelled version %s", i+1, schemaSQL[header[2]:header[3]])
 		}
 		end := len(schemaSQL)
 		if i+1 < len(headers) {
@@ -184,20 +234,26 @@ func schemaMigrations() ([]string, error) {
 	return migrations, nil
 }
 
-// migrate applies the schema sections newer than the file's user_version.
+// migrate applies the schema sections newer than the database's version.
 // Each runs in its own transaction with the version bump, so a crash leaves
-// the file at a whole version, and two processes opening a new file at once
-// do not both apply it.
+// the database at a whole version, and two processes opening a new database
+// at once do not both apply it.
 func migrate(ctx context.Context, db *sql.DB) error {
-	migrations, err := schemaMigrations()
+	d := dialectOf(db)
+	migrations, err := schemaMigrations(d.schema)
 	if err != nil {
 		return err
 	}
 	for version := 1; version <= len(migrations); version++ {
 		err := withTx(ctx, db, func(tx *sql.Tx) error {
+			for _, statement := range d.prepareMigration {
+				if _, err := tx.ExecContext(ctx, statement); err != nil {
+					return fmt.Errorf("prepare migration: %w", err)
+				}
+			}
 			var current int
-			if err := tx.QueryRowContext(ctx, `PRAGMA user_version`).Scan(&current); err != nil {
-				return fmt.Errorf("read user_version: %w", err)
+			if err := tx.QueryRowContext(ctx, d.readVersion).Scan(&current); err != nil {
+				return fmt.Errorf("read schema version: %w", err)
 			}
 			if current >= version {
 				return nil
@@ -205,9 +261,9 @@ func migrate(ctx context.Context, db *sql.DB) error {
 			if _, err := tx.ExecContext(ctx, migrations[version-1]); err != nil {
 				return fmt.Errorf("apply version %d: %w", version, err)
 			}
-			// PRAGMA takes no bound parameters; version is our own integer.
-			if _, err := tx.ExecContext(ctx, fmt.Sprintf(`PRAGMA user_version = %d`, version)); err != nil {
-				return fmt.Errorf("set user_version: %w", err)
+			// version is our own integer, not input.
+			if _, err := tx.ExecContext(ctx, d.setVersion(version)); err != nil {
+				return fmt.Errorf("set schema version: %w", err)
 			}
 			return nil
 		})
@@ -216,8 +272,8 @@ func migrate(ctx context.Context, db *sql.DB) error {
 		}
 	}
 	var current int
-	if err := db.QueryRowContext(ctx, `PRAGMA user_version`).Scan(&current); err != nil {
-		return fmt.Errorf("read user_version: %w", err)
+	if err := db.QueryRowContext(ctx, d.readVersion).Scan(&current); err != nil {
+		return fmt.Errorf("read schema version: %w", err)
 	}
 	if current > len(migrations) {
 		return fmt.Errorf("database is at schema version %d, newer than this program's %d; upgrade retrysafe", current, len(migrations))
@@ -225,11 +281,54 @@ func migrate(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
-// withTx runs fn in one transaction (BEGIN IMMEDIATE, see openDB) and commits
-// if fn returns nil. Any error or panic rolls back everything fn wrote: that
-// is what lets several writes "happen together or not at all".
+// withTx runs fn in one transaction (BEGIN IMMEDIATE on SQLite, see
+// openDB; SERIALIZABLE on PostgreSQL, see dialect.go) and commits if fn
+// returns nil. Any error or panic rolls back everything fn wrote: that is
+// what lets several writes "happen together or not at all".
+//
+// On PostgreSQL a transaction that lost a serialization conflict runs again
+// from the start, so fn must not keep state from an earlier run: set
+// results, do not append to them.
 func withTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
-	tx, err := db.BeginTx(ctx, nil)
+	d := dialectOf(db)
+	return runTx(ctx, db, d, d.txOptions, fn)
+}
+
+// withClaimTx is withTx for a claim: one UPDATE that leases rows to a relay
+// or worker with d.skipLocked (READ COMMITTED on PostgreSQL; see dialect.go).
+func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
+	d := dialectOf(db)
+	return runTx(ctx, db, d, d.claimTxOptions, fn)
+}
+
+// maxTxAttempts bounds how often withTx runs a transaction that keeps losing
+// serialization conflicts. Each lost conflict means another transaction
+// committed, so the system as a whole moves on; one transaction losing this
+// often means a hot row, and the caller gets a transient error (HTTP 503).
+const maxTxAttempts = 20
+
+// runTx runs fn in a transaction begun with opts, again while d says the
+// failure is worth retrying.
+func runTx(ctx context.Context, db *sql.DB, d *dialect, opts *sql.TxOptions, fn func(tx *sql.Tx) error) error {
+	for attempt := 1; ; attempt++ {
+		err := runTxOnce(ctx, db, opts, fn)
+		if err == nil || attempt == maxTxAttempts || !d.retryTx(err) {
+			return err
+		}
+		// Back off a little, with jitter, so the transactions that just
+		// collided do not collide again.
+		wait := time.Duration(attempt) * time.Duration(1+mathrand.IntN(1000)) * time.Microsecond
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+	}
+}
+
+// runTxOnce runs fn in one transaction.
+func runTxOnce(ctx context.Context, db *sql.DB, opts *sql.TxOptions, fn func(tx *sql.Tx) error) error {
+	tx, err := db.BeginTx(ctx, opts)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}
@@ -245,10 +344,16 @@ func withTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
 	return nil
 }
 
-// isBusy reports whether err is SQLite saying another connection held the
-// lock for longer than the busy timeout. It is transient: the caller may
-// retry, and an HTTP client gets 503 with Retry-After, never a 500.
+// isBusy reports whether err is the database saying another transaction
+// got in the way: SQLite's lock held past the busy timeout, or PostgreSQL
+// still failing a serialization or lock conflict after withTx's retries. It
+// is transient: the caller may retry, and an HTTP client gets 503 with
+// Retry-After, never a 500.
 func isBusy(err error) bool {
+	switch postgresCode(err) {
+	case pgSerializationFailure, pgDeadlockDetected, pgLockNotAvailable:
+		return true
+	}
 	var sqliteErr *sqlite.Error
 	if !errors.As(err, &sqliteErr) {
 		return false
@@ -259,6 +364,9 @@ func isBusy(err error) bool {
 
 // isUniqueViolation reports whether err is a UNIQUE or PRIMARY KEY conflict.
 func isUniqueViolation(err error) bool {
+	if postgresCode(err) == pgUniqueViolation {
+		return true
+	}
 	var sqliteErr *sqlite.Error
 	if !errors.As(err, &sqliteErr) {
 		return false

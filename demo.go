@@ -86,8 +86,8 @@ func runDemo(ctx context.Context, out io.Writer, dbPath string, pause func(title
 		}
 		defer os.RemoveAll(dir)
 		dbPath = filepath.Join(dir, "demo.db")
-	} else if _, err := os.Stat(dbPath); err == nil {
-		return fmt.Errorf("%s already exists; the demo starts from a new database, so remove it or name another file", dbPath)
+	} else if err := requireNewDatabase(ctx, dbPath); err != nil {
+		return fmt.Errorf("the demo starts from a new database: %w", err)
 	}
 
 	d := &demo{clock: newFakeClock(demoStart), out: out, pause: pause}

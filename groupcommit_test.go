@@ -65,7 +65,7 @@ func TestGroupCommit(t *testing.T) {
 		if want := "[<nil> business rule says no <nil> panic in request: bug <nil>]"; fmt.Sprint(got) != want {
 			t.Fatalf("got %v, want %s", got, want)
 		}
-		if got := env.str(t, `SELECT GROUP_CONCAT(order_id, ',') FROM (SELECT order_id FROM orders ORDER BY order_id)`); got != "ord_1,ord_2,ord_3" {
+		if got := env.str(t, `SELECT string_agg(order_id, ',' ORDER BY order_id) FROM orders`); got != "ord_1,ord_2,ord_3" {
 			t.Fatalf("stored %s, want ord_1,ord_2,ord_3", got)
 		}
 	})

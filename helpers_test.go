@@ -2,13 +2,17 @@ package main
 
 import (
 	"context"
+	cryptorand "crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -84,13 +88,75 @@ func (f *faultSwitch) hitCount(point faultPoint) int {
 	return f.hits[point]
 }
 
-// MustOpenApp returns a testEnv over a new database in tb's temp dir; it is
-// closed when the test ends.
+// testPostgresEnv names the variable that runs the tests on PostgreSQL: the
+// URL of a database in which they may create and drop schemas.
+const testPostgresEnv = "RETRYSAFE_TEST_POSTGRES"
+
+// testDatabase returns a new, empty database for tb: a file in tb's temp
+// dir, or, when RETRYSAFE_TEST_POSTGRES is set, a schema of its own in that
+// PostgreSQL database (the URL sets search_path), dropped when tb ends.
+func testDatabase(tb testing.TB) string {
+	tb.Helper()
+	base := os.Getenv(testPostgresEnv)
+	if base == "" {
+		return filepath.Join(tb.TempDir(), "test.db")
+	}
+	return testPostgresSchema(tb, base)
+}
+
+// testPostgresSchema creates a schema in the PostgreSQL database at base and
+// returns base with its search_path set to it.
+func testPostgresSchema(tb testing.TB, base string) string {
+	tb.Helper()
+	ctx := context.Background()
+	admin, err := connectPostgres(ctx, base)
+	if err != nil {
+		tb.Fatalf("%s: %v", testPostgresEnv, err)
+	}
+	defer admin.Close()
+	var random [6]byte
+	if _, err := cryptorand.Read(random[:]); err != nil {
+		tb.Fatalf("schema name: %v", err)
+	}
+	schema := "test_" + hex.EncodeToString(random[:])
+	// schema is our own [a-z0-9_] name: safe to put in the statement.
+	if _, err := admin.ExecContext(ctx, `CREATE SCHEMA `+schema); err != nil {
+		tb.Fatalf("create schema: %v", err)
+	}
+	// Registered before the App opens, so it runs after the App is closed.
+	tb.Cleanup(func() {
+		admin, err := connectPostgres(ctx, base)
+		if err != nil {
+			tb.Errorf("drop schema %s: %v", schema, err)
+			return
+		}
+		defer admin.Close()
+		if _, err := admin.ExecContext(ctx, `DROP SCHEMA `+schema+` CASCADE`); err != nil {
+			tb.Errorf("drop schema %s: %v", schema, err)
+		}
+	})
+	u, err := url.Parse(base)
+	if err != nil {
+		tb.Fatalf("%s: %v", testPostgresEnv, err)
+	}
+	query := u.Query()
+	query.Set("search_path", schema)
+	u.RawQuery = query.Encode()
+	return u.String()
+}
+
+// onPostgres reports whether the tests run on PostgreSQL.
+func onPostgres() bool {
+	return os.Getenv(testPostgresEnv) != ""
+}
+
+// MustOpenApp returns a testEnv over a new database (see testDatabase); it
+// is closed when the test ends.
 func MustOpenApp(tb testing.TB) *testEnv {
 	tb.Helper()
 	env := &testEnv{
 		clock: newFakeClock(time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)),
-		path:  filepath.Join(tb.TempDir(), "test.db"),
+		path:  testDatabase(tb),
 		fault: &faultSwitch{hits: map[faultPoint]int{}},
 		ids:   newIDs(rand.NewChaCha8([32]byte{byte(len(tb.Name())), 't', 'e', 's', 't'})),
 	}

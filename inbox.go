@@ -143,6 +143,11 @@ func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID
 		return result, nil
 	case errors.Is(err, errCrash):
 		return result, err
+	case dialectOf(a.db).retryTx(err):
+		// PostgreSQL failed the transaction to keep it serializable: it
+		// must roll back and run again (withTx does), not count as this
+		// message's failure.
+		return result, err
 	case isPermanent(err) || deliveryCount >= maxDeliveries:
 		result.Outcome = inboxPoison
 		result.Err = err
@@ -219,6 +224,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	}
 	var results []receiveResult
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
+		results = nil
 		for _, d := range deliveries {
 			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
 				return c.apply(ctx, tx, d.message)

@@ -81,7 +81,8 @@ func newRootCommand() *cobra.Command {
 // typo in --db should say so, not quietly create an empty file. Its
 // consumers are not subscribed yet; see startProcess.
 func openExistingApp(ctx context.Context, path string) (*App, error) {
-	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+	// (A PostgreSQL URL with a typo fails to connect instead.)
+	if _, err := os.Stat(path); !isPostgresURL(path) && errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
 	}
 	db, err := openDB(ctx, path)

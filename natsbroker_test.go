@@ -65,7 +65,7 @@ func TestNATSBroker(t *testing.T) {
 		mustCreateOrder(t, env, "user-42", "declined", orderBody(1200, "sku-2", 1, pmCardDeclined))
 		mustCreateOrder(t, env, "user-42", "timeout", orderBody(3000, "sku-2", 1, pmCardTimeout))
 		env.drain(t)
-		if got := env.str(t, `SELECT GROUP_CONCAT(status, ',') FROM (SELECT status FROM orders ORDER BY amount_cents)`); got != "cancelled,paid,paid" {
+		if got := env.str(t, `SELECT string_agg(status, ',' ORDER BY amount_cents) FROM orders`); got != "cancelled,paid,paid" {
 			t.Fatalf("order statuses by amount: %s", got)
 		}
 		mustAudit(t, env, true)

@@ -128,9 +128,17 @@ func relayBackoff(attempts int) time.Duration {
 // event is publishable when it is pending, due, not leased to a live relay,
 // and the oldest unpublished event of its aggregate: events of one order go
 // out in the order they were written, even with several relays.
+//
+// It claims rows by their status, never "every seq above the last one
+// published": on PostgreSQL a seq is assigned at insert, so an event may
+// become visible after one with a higher seq. A relay that sees event 2 of
+// an order while event 1 is being claimed by another relay (or is not yet
+// committed, if they were written by concurrent transactions) does not take
+// event 2: it is not the oldest unpublished event of its order.
 func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) ([]outboxEvent, error) {
 	var events []outboxEvent
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
+		events = nil
 		now := formatTime(a.now())
 		rows, err := tx.QueryContext(ctx, `
 			UPDATE outbox_events
@@ -146,7 +154,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 					  AND earlier.seq < e.seq
 					  AND earlier.status <> 'published')
 				ORDER BY e.seq
-				LIMIT ?)
+				LIMIT ? `+dialectOf(a.db).skipLocked+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts`,
 			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
 		if err != nil {

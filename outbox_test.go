@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 )
 
 func TestOutbox(t *testing.T) {
@@ -175,6 +176,115 @@ func TestOutbox(t *testing.T) {
 		}
 		if fmt.Sprint(got) != "[Step0 Step1 Step2]" {
 			t.Fatalf("published %v, want [Step0 Step1 Step2]", got)
+		}
+	})
+}
+
+// insertEvent writes one outbox event for aggregateID in tx.
+func insertEvent(tb testing.TB, env *testEnv, tx *sql.Tx, eventType, aggregateID string) {
+	tb.Helper()
+	event, err := env.app.newOutboxEvent(eventType, aggregateID, map[string]string{"order_id": aggregateID})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := insertOutboxEvent(context.Background(), tx, event, env.clock.now()); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// claimedTypes claims what relayID may publish now and returns the event
+// types, releasing the claim again.
+func claimedTypes(tb testing.TB, env *testEnv, relayID string) []string {
+	tb.Helper()
+	// A claim that waits for the other relay's lock instead of skipping
+	// the row fails here rather than hanging the test.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	events, err := env.app.claimOutboxEvents(ctx, relayID, relayBatchSize)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var types []string
+	for _, event := range events {
+		types = append(types, event.EventType)
+	}
+	if _, err := env.app.db.Exec(`UPDATE outbox_events SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?`, relayID); err != nil {
+		tb.Fatal(err)
+	}
+	return types
+}
+
+// On PostgreSQL transactions commit side by side, which SQLite's one writer
+// never does; these are the relay's traps there.
+func TestOutboxConcurrentWriters(t *testing.T) {
+	if !onPostgres() {
+		t.Skipf("PostgreSQL only: set %s to a database URL (SQLite has one writer, so nothing commits out of order)", testPostgresEnv)
+	}
+	ctx := context.Background()
+
+	// Ensure an event that commits after one with a higher seq is still
+	// published: the relay claims by status, it does not read on from the
+	// last seq it saw.
+	t.Run("LateCommitIsNotSkipped", func(t *testing.T) {
+		env := MustOpenApp(t)
+		slow, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer slow.Rollback()
+		insertEvent(t, env, slow, "Slow", "ord_slow") // takes the lower seq
+		err = withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			insertEvent(t, env, tx, "Fast", "ord_fast")
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("published %d, %v, want the committed event", n, err)
+		}
+		if err := slow.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("published %d, %v after the late commit, want the event with the lower seq", n, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE status = 'published'`); got != 2 {
+			t.Fatalf("%d events published, want 2", got)
+		}
+	})
+
+	// Ensure a relay skips the rows another relay is claiming right now,
+	// and does not take the next event of that order instead: it would go
+	// out before the first.
+	t.Run("ClaimInFlightHoldsItsOrder", func(t *testing.T) {
+		env := MustOpenApp(t)
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			insertEvent(t, env, tx, "First", "ord_1")
+			insertEvent(t, env, tx, "Second", "ord_1")
+			insertEvent(t, env, tx, "Other", "ord_2")
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Another relay is between its claim's lock and its commit.
+		other, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer other.Rollback()
+		if _, err := other.Exec(`SELECT seq FROM outbox_events WHERE event_type = 'First' FOR UPDATE`); err != nil {
+			t.Fatal(err)
+		}
+		if got := fmt.Sprint(claimedTypes(t, env, "relay-1")); got != "[Other]" {
+			t.Fatalf("claimed %s while First is locked, want [Other]", got)
+		}
+		if err := other.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		if got := fmt.Sprint(claimedTypes(t, env, "relay-1")); got != "[First Other]" {
+			t.Fatalf("claimed %s, want [First Other]", got)
 		}
 	})
 }

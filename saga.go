@@ -206,7 +206,8 @@ func sagaBackoff(attempts int) time.Duration {
 // once its lease passes. It returns how many sagas it ran.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var sagaIDs []string
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
+		sagaIDs = nil
 		now := a.now()
 		rows, err := tx.QueryContext(ctx, `
 			UPDATE saga_instances SET locked_by = ?, locked_until = ?
@@ -216,7 +217,7 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 				  AND next_attempt_at <= ?
 				  AND (locked_until IS NULL OR locked_until <= ?)
 				ORDER BY next_attempt_at
-				LIMIT ?)
+				LIMIT ? `+dialectOf(a.db).skipLocked+`)
 			RETURNING saga_id`,
 			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
 		if err != nil {

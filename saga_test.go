@@ -22,7 +22,7 @@ func createAndDrain(tb testing.TB, env *testEnv, key, body string) string {
 func sagaSteps(tb testing.TB, env *testEnv, orderID string) string {
 	tb.Helper()
 	return env.str(tb, `
-		SELECT s.status || ': ' || GROUP_CONCAT(st.step_name || '=' || st.status, ' ')
+		SELECT s.status || ': ' || string_agg(st.step_name || '=' || st.status, ' ' ORDER BY st.step_index)
 		FROM saga_instances s JOIN saga_steps st ON st.saga_id = s.saga_id
 		WHERE s.order_id = ? GROUP BY s.saga_id`, orderID)
 }

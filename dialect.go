@@ -1,0 +1,141 @@
+// This file is the one place where SQLite and PostgreSQL need different SQL.
+// Every other statement in retrysafe is written once, in the SQL both
+// accept, with "?" placeholders (postgres.go rebinds them to "$n"). Each
+// difference below says why it exists.
+
+package main
+
+import (
+	"database/sql"
+	_ "embed"
+	"fmt"
+)
+
+//go:embed schema_postgres.sql
+var schemaPostgresSQL string
+
+// dialect is what differs between the two databases.
+type dialect struct {
+	name string
+	// schema is the migration file: schema.sql or schema_postgres.sql. The
+	// tables, columns and constraints are the same; the types are spelled
+	// for each database (BLOB/BYTEA, rowid/identity, WITHOUT ROWID).
+	schema string
+
+	// txOptions begin every ordinary transaction.
+	//
+	// SQLite runs one writer at a time: BEGIN IMMEDIATE (see openDBWith)
+	// takes the write lock up front, so every transaction sees the database
+	// as if it were alone, and the code relies on that (read a key, then
+	// insert it; read an order's refunds, then add one). PostgreSQL runs
+	// transactions side by side; SERIALIZABLE gives the same promise, by
+	// failing one of two transactions that would have interleaved unsafely
+	// with SQLSTATE 40001. withTx retries those, so the same code keeps the
+	// same guarantee without a lock of its own in every flow.
+	txOptions *sql.TxOptions
+	// claimTxOptions begin the claims of relays and workers (claimSQL).
+	//
+	// On PostgreSQL they run READ COMMITTED: a claim is one UPDATE that
+	// locks the rows it takes and skips those another worker is taking, and
+	// it re-checks its conditions on the locked row. Under SERIALIZABLE, two
+	// relays scanning the same queue would keep failing each other.
+	claimTxOptions *sql.TxOptions
+	// retryTx says whether withTx retries a transaction that failed with
+	// err. SQLite never needs to (BEGIN IMMEDIATE waits for the lock
+	// instead of failing); PostgreSQL reports serialization failures and
+	// deadlocks, after which the whole transaction may simply run again.
+	retryTx func(err error) bool
+
+	// skipLocked ends the SELECT that picks the rows a claim takes. On
+	// PostgreSQL, FOR UPDATE SKIP LOCKED makes two relays (or workers)
+	// claiming at once take different rows instead of waiting for each
+	// other. SQLite has no row locks and needs none: the claim holds the
+	// write lock.
+	skipLocked string
+
+	// readVersion returns the schema version a database is at, 0 for a new
+	// one. SQLite keeps it in the file header (PRAGMA user_version);
+	// PostgreSQL has nothing like it, so it is a table.
+	readVersion string
+	// prepareMigration runs first in each migration's transaction.
+	// PostgreSQL: take an advisory lock, so two processes starting on a new
+	// database do not both apply a version (their CREATE TABLEs would
+	// race), then create the version table if needed. SQLite: nothing;
+	// BEGIN IMMEDIATE already serializes them.
+	prepareMigration []string
+	// setVersion records that version has been applied.
+	setVersion func(version int) string
+
+	// withinADay is a condition: the times a and b (TEXT columns in
+	// timeFormat) are less than a day apart. SQLite has no time type and
+	// converts with julianday; PostgreSQL casts the text to timestamptz.
+	withinADay func(a, b string) string
+	// jsonField is the text of field in the JSON object held in a BLOB
+	// (BYTEA) column. SQLite's json_extract reads text; PostgreSQL decodes
+	// the bytes and uses jsonb.
+	jsonField func(column, field string) string
+	// jsonArrayLength is the length of the JSON array in a TEXT column.
+	jsonArrayLength func(column string) string
+}
+
+// sqliteDialect is SQLite, the default.
+func sqliteDialect() *dialect {
+	return &dialect{
+		name:           "sqlite",
+		schema:         schemaSQL,
+		txOptions:      nil,
+		claimTxOptions: nil,
+		retryTx:        func(error) bool { return false },
+		skipLocked:     "",
+		readVersion:    `PRAGMA user_version`,
+		setVersion:     func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
+		withinADay:     func(a, b string) string { return fmt.Sprintf(`abs(julianday(%s) - julianday(%s)) < 1.0`, a, b) },
+		jsonField: func(column, field string) string {
+			return fmt.Sprintf(`json_extract(CAST(%s AS TEXT), '$.%s')`, column, field)
+		},
+		jsonArrayLength: func(column string) string { return fmt.Sprintf(`json_array_length(%s)`, column) },
+	}
+}
+
+// postgresMigrationLock is the advisory lock key migrations hold: any
+// constant that no other program on the database uses.
+const postgresMigrationLock = 7365_4219
+
+// postgresDialect is PostgreSQL.
+func postgresDialect() *dialect {
+	return &dialect{
+		name:           "postgres",
+		schema:         schemaPostgresSQL,
+		txOptions:      &sql.TxOptions{Isolation: sql.LevelSerializable},
+		claimTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		retryTx: func(err error) bool {
+			code := postgresCode(err)
+			return code == pgSerializationFailure || code == pgDeadlockDetected
+		},
+		skipLocked:  "FOR UPDATE SKIP LOCKED",
+		readVersion: `SELECT COALESCE(MAX(version), 0) FROM schema_migrations`,
+		prepareMigration: []string{
+			fmt.Sprintf(`SELECT pg_advisory_xact_lock(%d)`, postgresMigrationLock),
+			`CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())`,
+		},
+		setVersion: func(version int) string {
+			return fmt.Sprintf(`INSERT INTO schema_migrations (version) VALUES (%d)`, version)
+		},
+		withinADay: func(a, b string) string {
+			return fmt.Sprintf(`abs(extract(epoch FROM %s::timestamptz - %s::timestamptz)) < 86400`, a, b)
+		},
+		jsonField: func(column, field string) string {
+			return fmt.Sprintf(`convert_from(%s, 'UTF8')::jsonb ->> '%s'`, column, field)
+		},
+		jsonArrayLength: func(column string) string { return fmt.Sprintf(`jsonb_array_length(%s::jsonb)`, column) },
+	}
+}
+
+// dialectOf returns db's dialect: PostgreSQL for a pool from
+// connectPostgres, SQLite otherwise.
+func dialectOf(db *sql.DB) *dialect {
+	if _, ok := db.Driver().(postgresDriver); ok {
+		return postgresDialect()
+	}
+	return sqliteDialect()
+}
