@@ -19,10 +19,15 @@ import (
 	"time"
 )
 
-// benchApp returns an App on the wall clock over a new database.
+// benchApp returns an App on the wall clock over a new database: a SQLite
+// file, or with RETRYSAFE_TEST_POSTGRES a PostgreSQL schema (see
+// testDatabase). durabilityFull is SQLite's, so it skips on PostgreSQL.
 func benchApp(b *testing.B, d durability) *App {
 	b.Helper()
-	db, err := openDBWith(context.Background(), filepath.Join(b.TempDir(), "bench.db"), d)
+	if d != durabilityNormal && onPostgres() {
+		b.Skip("--durability is SQLite's; PostgreSQL's is the server's synchronous_commit")
+	}
+	db, err := openDBWith(context.Background(), testDatabase(b), d)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -264,13 +269,14 @@ func BenchmarkHTTP(b *testing.B) {
 	reportOpsPerSecond(b, "orders/s")
 }
 
-// grownApp is built once per process: an App over a file that already holds
-// a million orders, keys, events and inbox rows (BenchmarkGrowth).
+// grownApp is built once per process: an App over a database that already
+// holds a million orders, keys, events and inbox rows (BenchmarkGrowth).
 var grownApp struct {
 	once sync.Once
-	dir  string
 	app  *App
-	err  error
+	// remove deletes the grown database.
+	remove func() error
+	err    error
 }
 
 // TestMain removes the grown database, which outlives single benchmarks.
@@ -279,8 +285,10 @@ func TestMain(m *testing.M) {
 	if grownApp.app != nil {
 		grownApp.app.db.Close()
 	}
-	if grownApp.dir != "" {
-		os.RemoveAll(grownApp.dir)
+	if grownApp.remove != nil {
+		if err := grownApp.remove(); err != nil {
+			fmt.Fprintln(os.Stderr, "remove the grown database:", err)
+		}
 	}
 	os.Exit(code)
 }
@@ -299,34 +307,44 @@ func BenchmarkGrowth(b *testing.B) {
 		rows = n
 	}
 	grownApp.once.Do(func() {
-		dir, err := os.MkdirTemp("", "retrysafe-growth-")
-		if err != nil {
-			grownApp.err = err
+		var target string
+		if base := os.Getenv(testPostgresEnv); base != "" {
+			target, grownApp.remove, grownApp.err = createTestSchema(base)
+		} else {
+			var dir string
+			dir, grownApp.err = os.MkdirTemp("", "retrysafe-growth-")
+			target = filepath.Join(dir, "grown.db")
+			grownApp.remove = func() error { return os.RemoveAll(dir) }
+		}
+		if grownApp.err != nil {
 			return
 		}
-		grownApp.dir = dir
-		db, err := openDB(context.Background(), filepath.Join(dir, "grown.db"))
+		db, err := openDB(context.Background(), target)
 		if err != nil {
 			grownApp.err = err
 			return
 		}
 		now := formatTime(time.Now())
 		expires := formatTime(time.Now().Add(idempotencyKeyTTL))
-		for _, statement := range []string{
-			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		// PostgreSQL wants exactly the parameters a statement uses.
+		for _, fill := range []struct {
+			statement string
+			args      []any
+		}{
+			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 			 INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, idempotency_key, created_at, updated_at)
-			 SELECT 'ord_old_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'paid', 'old-' || n, ?2, ?2 FROM i`,
-			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 SELECT 'ord_old_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'paid', 'old-' || n, ?2, ?2 FROM i`, []any{rows, now}},
+			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 			 INSERT INTO idempotency_keys (user_id, idempotency_key, request_method, request_path, request_hash, request_params, status, recovery_point, response_status, response_body, created_at, expires_at)
-			 SELECT 'user-' || (n % 1000), 'old-' || n, 'POST', '/api/orders', hex(randomblob(32)), '{}', 'completed', 'finished', 201, '{}', ?2, ?3 FROM i`,
-			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 SELECT 'user-' || (n % 1000), 'old-' || n, 'POST', '/api/orders', 'hash-' || n, '{}', 'completed', 'finished', 201, ?4, ?2, ?3 FROM i`, []any{rows, now, expires, []byte(`{}`)}},
+			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 			 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
-			 SELECT 'evt_old_' || n, 'OrderCreated', 'ord_old_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`,
-			`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+			 SELECT 'evt_old_' || n, 'OrderCreated', 'ord_old_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`, []any{rows, now}},
+			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 			 INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
-			 SELECT 'payment-svc', 'evt_old_' || n, 'done', 1, ?2 FROM i`,
+			 SELECT 'payment-svc', 'evt_old_' || n, 'done', 1, ?2 FROM i`, []any{rows, now}},
 		} {
-			if _, err := db.Exec(statement, rows, now, expires); err != nil {
+			if _, err := db.Exec(fill.statement, fill.args...); err != nil {
 				grownApp.err = err
 				return
 			}
@@ -346,6 +364,45 @@ func BenchmarkGrowth(b *testing.B) {
 		}
 	}
 	reportOpsPerSecond(b, "orders/s")
+}
+
+// BenchmarkRelays drains a backlog with one relay and with two running side
+// by side, each with its own relay id, as two relay processes would. On
+// SQLite the two take turns at the one write lock; on PostgreSQL their
+// claims skip each other's rows and run at once.
+func BenchmarkRelays(b *testing.B) {
+	ctx := context.Background()
+	for _, relays := range []int{1, 2} {
+		b.Run(strconv.Itoa(relays), func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			fillOutbox(b, app, b.N)
+			b.ResetTimer()
+			var published atomic.Int64
+			var wg sync.WaitGroup
+			for r := range relays {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for {
+						n, err := app.relayOnce(ctx, fmt.Sprintf("bench-relay-%d", r), relayBatchSize)
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						if n == 0 {
+							return
+						}
+						published.Add(int64(n))
+					}
+				}()
+			}
+			wg.Wait()
+			if got := published.Load(); got != int64(b.N) {
+				b.Fatalf("published %d of %d", got, b.N)
+			}
+			reportOpsPerSecond(b, "events/s")
+		})
+	}
 }
 
 func BenchmarkDurable(b *testing.B) {

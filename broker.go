@@ -16,6 +16,7 @@ import (
 	"database/sql"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -90,29 +91,40 @@ func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error
 	if err := b.fault.at(ctx, faultPublish); err != nil {
 		return err
 	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	now := formatTime(b.now())
+	values := make([]string, len(msgs))
+	args := make([]any, 0, 4*len(msgs))
+	ids := make([]any, 0, len(msgs)+1)
+	ids = append(ids, now)
+	for i, msg := range msgs {
+		values[i] = "(?, ?, ?, ?)"
+		args = append(args, msg.ID, msg.Subject, msg.Payload, now)
+		ids = append(ids, msg.ID)
+	}
+	// Two statements per batch, however large: a round trip per message
+	// is what a database across the network (PostgreSQL) makes expensive.
 	return withTx(ctx, b.db, func(tx *sql.Tx) error {
-		now := formatTime(b.now())
-		for _, msg := range msgs {
-			var seq int64
-			err := tx.QueryRowContext(ctx, `
-				INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
-				ON CONFLICT (message_id) DO UPDATE SET duplicates = broker_messages.duplicates + 1
-				RETURNING seq`,
-				msg.ID, msg.Subject, msg.Payload, now,
-			).Scan(&seq)
-			if err != nil {
-				return fmt.Errorf("publish %s: %w", msg.ID, err)
-			}
-			// For a duplicate, DO NOTHING keeps the deliveries already queued
-			// (and acked) as they are.
-			_, err = tx.ExecContext(ctx, `
-				INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
-				SELECT subscriber, ?, 'pending', ? FROM broker_subscriptions WHERE subject = ?
-				ON CONFLICT (subscriber, message_seq) DO NOTHING`,
-				seq, now, msg.Subject)
-			if err != nil {
-				return fmt.Errorf("queue deliveries of %s: %w", msg.ID, err)
-			}
+		_, err := tx.ExecContext(ctx, `
+			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES `+strings.Join(values, ", ")+`
+			ON CONFLICT (message_id) DO UPDATE SET duplicates = broker_messages.duplicates + 1`,
+			args...)
+		if err != nil {
+			return fmt.Errorf("publish %d messages: %w", len(msgs), err)
+		}
+		// For a duplicate, DO NOTHING keeps the deliveries already queued
+		// (and acked) as they are.
+		_, err = tx.ExecContext(ctx, `
+			INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
+			SELECT s.subscriber, m.seq, 'pending', ?
+			FROM broker_messages m JOIN broker_subscriptions s ON s.subject = m.subject
+			WHERE m.message_id IN (`+placeholders(len(msgs))+`)
+			ON CONFLICT (subscriber, message_seq) DO NOTHING`,
+			ids...)
+		if err != nil {
+			return fmt.Errorf("queue deliveries of %d messages: %w", len(msgs), err)
 		}
 		return nil
 	})

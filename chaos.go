@@ -41,8 +41,11 @@ const chaosLeaseScale = 0.05
 type chaosConfig struct {
 	// Binary is the retrysafe executable to run as serve, relay and worker.
 	Binary string
-	// DBPath is the database, which must not exist yet.
-	DBPath  string
+	// DBPath is the database (a SQLite path or a PostgreSQL URL), which
+	// must not exist yet or hold no tables.
+	DBPath string
+	// LogPath receives the processes' output.
+	LogPath string
 	Orders  int
 	Clients int
 	Kills   int
@@ -248,7 +251,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	if err := prepareChaosDB(ctx, cfg.DBPath); err != nil {
 		return report, err
 	}
-	logFile, err := os.Create(cfg.DBPath + ".log")
+	logFile, err := os.Create(cfg.LogPath)
 	if err != nil {
 		return report, fmt.Errorf("create the process log: %w", err)
 	}
@@ -749,13 +752,24 @@ func newChaosCommand() *cobra.Command {
 				defer os.RemoveAll(dir)
 				cfg.DBPath = filepath.Join(dir, "chaos.db")
 			}
+			if cfg.LogPath == "" && !isPostgresURL(cfg.DBPath) {
+				cfg.LogPath = cfg.DBPath + ".log"
+			}
+			if cfg.LogPath == "" {
+				logFile, err := os.CreateTemp("", "retrysafe-chaos-*.log")
+				if err != nil {
+					return err
+				}
+				logFile.Close()
+				cfg.LogPath = logFile.Name()
+			}
 			cfg.Progress = cmd.OutOrStdout()
 			broker := "the embedded broker"
 			if cfg.BrokerURL != "" {
 				broker = cfg.BrokerURL
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients to %d serve, %d relay and %d worker processes on %s; %d kills, seed %d, database %s\n",
-				cfg.Orders, cfg.Clients, cfg.Serves, cfg.Relays, cfg.Workers, broker, cfg.Kills, cfg.Seed, cfg.DBPath)
+			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients to %d serve, %d relay and %d worker processes on %s; %d kills, seed %d, database %s, process log %s\n",
+				cfg.Orders, cfg.Clients, cfg.Serves, cfg.Relays, cfg.Workers, broker, cfg.Kills, cfg.Seed, redactURL(cfg.DBPath), cfg.LogPath)
 			report, err := runChaos(cmd.Context(), cfg)
 			printChaosReport(cmd.OutOrStdout(), report)
 			if err != nil {
@@ -768,7 +782,8 @@ func newChaosCommand() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&cfg.DBPath, "db", "", "database file to create (default: a temporary file, removed afterwards)")
+	cmd.Flags().StringVar(&cfg.DBPath, "db", "", "new database: a SQLite file to create or an empty PostgreSQL database's postgres:// URL (default: a temporary file, removed afterwards)")
+	cmd.Flags().StringVar(&cfg.LogPath, "log", "", "file for the processes' output (default: the database file's name with .log, or a temporary file)")
 	cmd.Flags().IntVar(&cfg.Orders, "orders", 2000, "orders to create")
 	cmd.Flags().IntVar(&cfg.Clients, "clients", 16, "concurrent clients")
 	cmd.Flags().IntVar(&cfg.Kills, "kills", 20, "processes to SIGKILL (and restart) during the run")

@@ -105,44 +105,56 @@ func testDatabase(tb testing.TB) string {
 }
 
 // testPostgresSchema creates a schema in the PostgreSQL database at base and
-// returns base with its search_path set to it.
+// returns base with its search_path set to it. The schema is dropped when
+// tb ends.
 func testPostgresSchema(tb testing.TB, base string) string {
 	tb.Helper()
-	ctx := context.Background()
-	admin, err := connectPostgres(ctx, base)
+	schemaURL, drop, err := createTestSchema(base)
 	if err != nil {
 		tb.Fatalf("%s: %v", testPostgresEnv, err)
-	}
-	defer admin.Close()
-	var random [6]byte
-	if _, err := cryptorand.Read(random[:]); err != nil {
-		tb.Fatalf("schema name: %v", err)
-	}
-	schema := "test_" + hex.EncodeToString(random[:])
-	// schema is our own [a-z0-9_] name: safe to put in the statement.
-	if _, err := admin.ExecContext(ctx, `CREATE SCHEMA `+schema); err != nil {
-		tb.Fatalf("create schema: %v", err)
 	}
 	// Registered before the App opens, so it runs after the App is closed.
 	tb.Cleanup(func() {
-		admin, err := connectPostgres(ctx, base)
-		if err != nil {
-			tb.Errorf("drop schema %s: %v", schema, err)
-			return
-		}
-		defer admin.Close()
-		if _, err := admin.ExecContext(ctx, `DROP SCHEMA `+schema+` CASCADE`); err != nil {
-			tb.Errorf("drop schema %s: %v", schema, err)
+		if err := drop(); err != nil {
+			tb.Error(err)
 		}
 	})
+	return schemaURL
+}
+
+// createTestSchema creates a schema with a random name in the PostgreSQL
+// database at base. It returns base with its search_path set to the schema,
+// and a function that drops the schema.
+func createTestSchema(base string) (string, func() error, error) {
+	ctx := context.Background()
+	var random [6]byte
+	if _, err := cryptorand.Read(random[:]); err != nil {
+		return "", nil, fmt.Errorf("schema name: %w", err)
+	}
+	schema := "test_" + hex.EncodeToString(random[:])
+	// schema is our own [a-z0-9_] name: safe to put in the statements.
+	exec := func(statement string) error {
+		admin, err := connectPostgres(ctx, base)
+		if err != nil {
+			return err
+		}
+		defer admin.Close()
+		if _, err := admin.ExecContext(ctx, statement); err != nil {
+			return fmt.Errorf("%s: %w", statement, err)
+		}
+		return nil
+	}
+	if err := exec(`CREATE SCHEMA ` + schema); err != nil {
+		return "", nil, err
+	}
 	u, err := url.Parse(base)
 	if err != nil {
-		tb.Fatalf("%s: %v", testPostgresEnv, err)
+		return "", nil, err
 	}
 	query := u.Query()
 	query.Set("search_path", schema)
 	u.RawQuery = query.Encode()
-	return u.String()
+	return u.String(), func() error { return exec(`DROP SCHEMA ` + schema + ` CASCADE`) }, nil
 }
 
 // onPostgres reports whether the tests run on PostgreSQL.

@@ -220,27 +220,27 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	return len(events), nil
 }
 
-// markPublished marks events published, in one transaction for the batch.
+// markPublished marks events published, in one statement for the batch.
 // An event whose lease this relay lost is left alone: the relay that took it
 // over publishes and marks it.
 func (a *App) markPublished(ctx context.Context, relayID string, events []outboxEvent) error {
 	if len(events) == 0 {
 		return nil
 	}
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
-		now := formatTime(a.now())
-		for _, event := range events {
-			_, err := tx.ExecContext(ctx, `
-				UPDATE outbox_events
-				SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
-				WHERE event_id = ? AND status = 'pending' AND claimed_by = ?`,
-				now, event.EventID, relayID)
-			if err != nil {
-				return fmt.Errorf("mark outbox event %s published: %w", event.EventID, err)
-			}
-		}
-		return nil
-	})
+	args := make([]any, 0, len(events)+2)
+	args = append(args, formatTime(a.now()), relayID)
+	for _, event := range events {
+		args = append(args, event.Seq)
+	}
+	_, err := a.db.ExecContext(ctx, `
+		UPDATE outbox_events
+		SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
+		WHERE status = 'pending' AND claimed_by = ? AND seq IN (`+placeholders(len(events))+`)`,
+		args...)
+	if err != nil {
+		return fmt.Errorf("mark %d outbox events published: %w", len(events), err)
+	}
+	return nil
 }
 
 // recordPublishFailure releases a failed event for a later attempt, or marks

@@ -178,8 +178,8 @@ func (c rebindConn) QueryContext(ctx context.Context, query string, args []drive
 }
 
 // rebind replaces each "?" placeholder in query with PostgreSQL's numbered
-// "$n". A "?" inside a string literal, a quoted identifier or a comment is
-// left alone.
+// "$n", and SQLite's numbered "?n" with "$n". A "?" inside a string literal,
+// a quoted identifier or a comment is left alone.
 func rebind(query string) string {
 	if !strings.Contains(query, "?") {
 		return query
@@ -216,6 +216,8 @@ func rebind(query string) string {
 			}
 			b.WriteString(query[i : i+end+4])
 			i += end + 3
+		case c == '?' && i+1 < len(query) && query[i+1] >= '0' && query[i+1] <= '9':
+			b.WriteByte('$')
 		case c == '?':
 			n++
 			fmt.Fprintf(&b, "$%d", n)

@@ -21,6 +21,7 @@ func TestRebind(t *testing.T) {
 		{`SELECT /* ? */ ?`, `SELECT /* ? */ $1`},
 		{`SELECT 'unterminated ?`, `SELECT 'unterminated ?`},
 		{`SELECT ? -- trailing ?`, `SELECT $1 -- trailing ?`},
+		{`SELECT ?2, ?1, ?2`, `SELECT $2, $1, $2`},
 	}
 	for _, test := range tests {
 		if got := rebind(test.in); got != test.want {

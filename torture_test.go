@@ -29,7 +29,7 @@ func buildBinary(tb testing.TB) string {
 }
 
 // Ensure that with serve, relay and worker as separate processes on one
-// file, concurrent retrying clients and processes SIGKILLed at random, every
+// database (SQLite, or PostgreSQL with RETRYSAFE_TEST_POSTGRES), concurrent retrying clients and processes SIGKILLed at random, every
 // order a client got a 201 for exists once with the id it saw, nothing is
 // charged twice, no stock is lost or leaked, every saga ends, no client ever
 // gets a 500, and 'retrysafe check' passes.
@@ -53,7 +53,8 @@ func TestTorture(t *testing.T) {
 	for seed := uint64(1); ; seed++ {
 		cfg := chaosConfig{
 			Binary:   binary,
-			DBPath:   filepath.Join(t.TempDir(), fmt.Sprintf("chaos-%d.db", seed)),
+			DBPath:   testDatabase(t),
+			LogPath:  filepath.Join(t.TempDir(), fmt.Sprintf("chaos-%d.log", seed)),
 			Orders:   2500,
 			Clients:  16,
 			Kills:    25,
@@ -68,10 +69,10 @@ func TestTorture(t *testing.T) {
 		printChaosReport(&table, report)
 		t.Logf("seed %d:%s", seed, table.String())
 		if err != nil {
-			t.Fatalf("seed %d: %v (process logs in %s.log)", seed, err, cfg.DBPath)
+			t.Fatalf("seed %d: %v (process logs in %s)", seed, err, cfg.LogPath)
 		}
 		if report.failed() {
-			t.Fatalf("seed %d: violations, see above (process logs in %s.log)", seed, cfg.DBPath)
+			t.Fatalf("seed %d: violations, see above (process logs in %s)", seed, cfg.LogPath)
 		}
 		if report.Kills != cfg.Kills || report.Created != cfg.Orders {
 			t.Fatalf("seed %d: %d kills and %d orders, want %d and %d", seed, report.Kills, report.Created, cfg.Kills, cfg.Orders)
@@ -87,44 +88,56 @@ func TestTorture(t *testing.T) {
 }
 
 // Ensure the same holds with three serve, two relay and two worker
-// processes sharing the file, on the embedded broker and, when
-// RETRYSAFE_TEST_NATS is set, on NATS JetStream.
+// processes sharing one database, on the embedded broker and, when
+// RETRYSAFE_TEST_NATS is set, on NATS JetStream. With
+// RETRYSAFE_TEST_POSTGRES set the database is PostgreSQL.
 func TestTortureScaleOut(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
 	}
-	binary := buildBinary(t)
-	brokers := map[string]string{"embedded": ""}
-	if url := os.Getenv("RETRYSAFE_TEST_NATS"); url != "" {
-		brokers["nats"] = url
+	brokers := []string{"embedded"}
+	if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
+		brokers = append(brokers, natsURL)
 	} else {
-		t.Log("RETRYSAFE_TEST_NATS is not set: the NATS JetStream run is skipped")
+		t.Log("RETRYSAFE_TEST_NATS is not set: the run on NATS JetStream is skipped")
 	}
-	for name, url := range brokers {
+	binary := buildBinary(t)
+	for _, broker := range brokers {
+		name := "embedded"
+		if broker != "embedded" {
+			name = "nats"
+		}
 		t.Run(name, func(t *testing.T) {
 			cfg := chaosConfig{
-				Binary:    binary,
-				DBPath:    filepath.Join(t.TempDir(), "chaos.db"),
-				Orders:    1500,
-				Clients:   16,
-				Kills:     15,
-				Seed:      42,
-				Duration:  4 * time.Minute,
-				Serves:    3,
-				Relays:    2,
-				Workers:   2,
-				BrokerURL: url,
+				Binary:   binary,
+				DBPath:   testDatabase(t),
+				LogPath:  filepath.Join(t.TempDir(), "chaos.log"),
+				Orders:   1500,
+				Clients:  16,
+				Kills:    15,
+				Seed:     42,
+				Duration: 4 * time.Minute,
+				Serves:   3,
+				Relays:   2,
+				Workers:  2,
+			}
+			if broker != "embedded" {
+				cfg.BrokerURL = broker
 			}
 			report, err := runChaos(context.Background(), cfg)
 			var table bytes.Buffer
 			printChaosReport(&table, report)
 			t.Logf("%s", table.String())
 			if err != nil {
-				t.Fatalf("%v (process logs in %s.log)", err, cfg.DBPath)
+				t.Fatalf("%v (process logs in %s)", err, cfg.LogPath)
 			}
 			if report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders {
-				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs in %s.log",
-					report.Kills, report.Created, cfg.Kills, cfg.Orders, cfg.DBPath)
+				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs in %s",
+					report.Kills, report.Created, cfg.Kills, cfg.Orders, cfg.LogPath)
+			}
+			check := exec.Command(binary, "check", "--db", cfg.DBPath)
+			if out, err := check.CombinedOutput(); err != nil {
+				t.Fatalf("retrysafe check: %v\n%s", err, out)
 			}
 		})
 	}
