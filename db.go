@@ -301,6 +301,24 @@ func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 	return runTx(ctx, db, d, d.claimTxOptions, fn)
 }
 
+// keyTx is withTx for a transaction that claims the idempotency key
+// (userID, key): no other transaction can claim the same key before it
+// ends. On SQLite that is BEGIN IMMEDIATE; on PostgreSQL an advisory lock
+// on the key (see keyTxOptions in dialect.go).
+func keyTx(ctx context.Context, db *sql.DB, userID, key string, fn func(tx *sql.Tx) error) error {
+	d := dialectOf(db)
+	return runTx(ctx, db, d, d.keyTxOptions, func(tx *sql.Tx) error {
+		if d.lockKey != "" {
+			// Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+			lockName := fmt.Sprintf("%d:%s:%s", len(userID), userID, key)
+			if _, err := tx.ExecContext(ctx, d.lockKey, lockName); err != nil {
+				return fmt.Errorf("lock idempotency key: %w", err)
+			}
+		}
+		return fn(tx)
+	})
+}
+
 // maxTxAttempts bounds how often withTx runs a transaction that keeps losing
 // serialization conflicts. Each lost conflict means another transaction
 // committed, so the system as a whole moves on; one transaction losing this

@@ -57,7 +57,7 @@ func newDemoCommand() *cobra.Command {
 			return runDemo(cmd.Context(), cmd.OutOrStdout(), dbPath, pause)
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database in this new file (for 'retrysafe inspect')")
+	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
 	return cmd
 }
@@ -129,7 +129,7 @@ func runDemo(ctx context.Context, out io.Writer, dbPath string, pause func(title
 		return err
 	}
 	if kept {
-		fmt.Fprintf(out, "\nThe database is in %s: try 'go run . inspect --db %s'.\n", dbPath, dbPath)
+		fmt.Fprintf(out, "\nThe database is in %s: try 'go run . inspect --db %s'.\n", redactURL(dbPath), redactURL(dbPath))
 	}
 	return nil
 }

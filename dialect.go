@@ -33,13 +33,29 @@ type dialect struct {
 	// with SQLSTATE 40001. withTx retries those, so the same code keeps the
 	// same guarantee without a lock of its own in every flow.
 	txOptions *sql.TxOptions
-	// claimTxOptions begin the claims of relays and workers (claimSQL).
+	// claimTxOptions begin the claims of relays and workers (withClaimTx).
 	//
 	// On PostgreSQL they run READ COMMITTED: a claim is one UPDATE that
 	// locks the rows it takes and skips those another worker is taking, and
 	// it re-checks its conditions on the locked row. Under SERIALIZABLE, two
 	// relays scanning the same queue would keep failing each other.
 	claimTxOptions *sql.TxOptions
+	// keyTxOptions and lockKey begin the transaction that creates an order
+	// under an idempotency key (keyTx).
+	//
+	// On PostgreSQL, SERIALIZABLE is too blunt here: looking up a key that
+	// is not there locks the index page it would be on, so concurrent
+	// requests with different keys (adjacent in the index) fail each other
+	// and retry over and over. What the transaction needs is narrower: no
+	// other request may claim the same key until it commits, which is what
+	// BEGIN IMMEDIATE gives on SQLite. So it runs READ COMMITTED and first
+	// takes a transaction-scoped advisory lock on a hash of the key: a
+	// duplicate request waits there, then sees the committed key and
+	// replays. Everything else it writes is new rows of its own.
+	keyTxOptions *sql.TxOptions
+	// lockKey takes that lock, with the key as its one parameter; empty on
+	// SQLite.
+	lockKey string
 	// retryTx says whether withTx retries a transaction that failed with
 	// err. SQLite never needs to (BEGIN IMMEDIATE waits for the lock
 	// instead of failing); PostgreSQL reports serialization failures and
@@ -85,6 +101,8 @@ func sqliteDialect() *dialect {
 		schema:         schemaSQL,
 		txOptions:      nil,
 		claimTxOptions: nil,
+		keyTxOptions:   nil,
+		lockKey:        "",
 		retryTx:        func(error) bool { return false },
 		skipLocked:     "",
 		readVersion:    `PRAGMA user_version`,
@@ -108,6 +126,8 @@ func postgresDialect() *dialect {
 		schema:         schemaPostgresSQL,
 		txOptions:      &sql.TxOptions{Isolation: sql.LevelSerializable},
 		claimTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		keyTxOptions:   &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		lockKey:        `SELECT pg_advisory_xact_lock(hashtextextended(?, 0))`,
 		retryTx: func(err error) bool {
 			code := postgresCode(err)
 			return code == pgSerializationFailure || code == pgDeadlockDetected

@@ -133,12 +133,13 @@ func runRecovered(fn func(tx *sql.Tx) error, tx *sql.Tx) (err error) {
 	return fn(tx)
 }
 
-// writeTx runs fn in a transaction of its own, or, when the App group
-// commits, in a savepoint of the next group commit. fn must use the context
-// it is given, not its caller's.
-func (a *App) writeTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
+// writeTx runs fn, which claims the idempotency key (userID, key), in a
+// transaction of its own (keyTx), or, when the App group commits, in a
+// savepoint of the next group commit. fn must use the context it is given,
+// not its caller's.
+func (a *App) writeTx(ctx context.Context, userID, key string, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	if a.group != nil {
 		return a.group.do(ctx, fn)
 	}
-	return withTx(ctx, a.db, func(tx *sql.Tx) error { return fn(ctx, tx) })
+	return keyTx(ctx, a.db, userID, key, func(tx *sql.Tx) error { return fn(ctx, tx) })
 }

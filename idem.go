@@ -260,7 +260,7 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 // valid (see decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
 	var response apiResponse
-	err := a.writeTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+	err := a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
 		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {
@@ -281,7 +281,8 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		}
 
 		// The key is ours now: no other writer can claim it until this
-		// transaction ends, because BEGIN IMMEDIATE holds the write lock.
+		// transaction ends, because BEGIN IMMEDIATE holds the write lock
+		// (on PostgreSQL, keyTx's lock on the key).
 		// Its row is written once, with the response, at the end.
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err

@@ -124,7 +124,7 @@ func newServeCommand() *cobra.Command {
 			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale)
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file (created if missing)")
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
 	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
 	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
@@ -190,7 +190,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s, %s)\n", listener.Addr(), dbPath, d, brokerName(brokerURL, stream))
+	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s, %s)\n", listener.Addr(), redactURL(dbPath), d, brokerName(brokerURL, stream))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -243,7 +243,7 @@ func newLoopCommand(role, short string,
 			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, start)
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	return cmd
@@ -463,7 +463,7 @@ func newInspectCommand() *cobra.Command {
 			return inspect(cmd.Context(), db, cmd.OutOrStdout(), asJSON)
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON instead of aligned text")
 	return cmd
 }
@@ -490,7 +490,7 @@ func newCleanupCommand() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	return cmd
 }
 
@@ -542,7 +542,7 @@ or pass --in-flight to skip those while work is still going on.`,
 			return printAudit(cmd.OutOrStdout(), violations, !inFlight)
 		},
 	}
-	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite database file")
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&inFlight, "in-flight", false, "skip the invariants that hold only once the system is quiet")
 	return cmd
 }

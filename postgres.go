@@ -86,8 +86,12 @@ func openReadOnlyPostgres(ctx context.Context, rawURL string) (*sql.DB, error) {
 	return db, nil
 }
 
-// redactURL returns rawURL without its password, for messages and logs.
+// redactURL returns a --db value fit for messages and logs: a PostgreSQL
+// URL without its password; a SQLite path as it is.
 func redactURL(rawURL string) string {
+	if !isPostgresURL(rawURL) {
+		return rawURL
+	}
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return "the database URL"
