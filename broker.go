@@ -57,6 +57,10 @@ type messageBroker interface {
 	ack(ctx context.Context, deliveries ...delivery) error
 	// nak asks for d again after delay.
 	nak(ctx context.Context, d delivery, delay time.Duration) error
+	// held returns how many copies of the message messageID the broker
+	// stores, and how many publishes of it it dropped as duplicates. The
+	// demo shows both.
+	held(ctx context.Context, messageID string) (stored, dropped int, err error)
 }
 
 // embeddedBroker is the embedded broker over the broker_* tables.
@@ -215,16 +219,15 @@ func (b *embeddedBroker) nak(ctx context.Context, d delivery, delay time.Duratio
 	return nil
 }
 
-// redeliver makes every unacked delivery of messageID to subscriber due now,
-// as a broker does when a consumer's connection drops. The demo uses it to
-// show the inbox at work without waiting out ackWait.
-func (b *embeddedBroker) redeliver(ctx context.Context, subscriber, messageID string) error {
-	_, err := b.db.ExecContext(ctx, `
-		UPDATE broker_deliveries SET status = 'pending', visible_at = ?
-		WHERE subscriber = ? AND message_seq = (SELECT seq FROM broker_messages WHERE message_id = ?)`,
-		formatTime(b.now()), subscriber, messageID)
+// held returns how many copies of messageID the broker stores and how many
+// duplicate publishes of it it absorbed.
+func (b *embeddedBroker) held(ctx context.Context, messageID string) (int, int, error) {
+	var stored, dropped int
+	err := b.db.QueryRowContext(ctx, `
+		SELECT COUNT(*), COALESCE(SUM(duplicates), 0) FROM broker_messages WHERE message_id = ?`,
+		messageID).Scan(&stored, &dropped)
 	if err != nil {
-		return fmt.Errorf("redeliver %s to %s: %w", messageID, subscriber, err)
+		return 0, 0, fmt.Errorf("count copies of %s: %w", messageID, err)
 	}
-	return nil
+	return stored, dropped, nil
 }

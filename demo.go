@@ -39,7 +39,7 @@ const demoAPIKey = "sk_test_demo"
 
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
-	var dbPath string
+	var dbPath, brokerURL string
 	var step bool
 	cmd := &cobra.Command{
 		Use:   "demo",
@@ -54,11 +54,12 @@ func newDemoCommand() *cobra.Command {
 					input.ReadString('\n')
 				}
 			}
-			return runDemo(cmd.Context(), cmd.OutOrStdout(), dbPath, pause)
+			return runDemo(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
+	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")
 	return cmd
 }
 
@@ -71,13 +72,22 @@ type demo struct {
 	base   string
 	// crashAt is the fault point at which the next pass dies, if set.
 	crashAt faultPoint
+	// ackWait is how long the broker waits for an ack before it delivers
+	// again.
+	ackWait time.Duration
 	pause   func(title string)
 	step    int
 }
 
+// demoNATSAckWait is the demo's AckWait on NATS JetStream: the clock the
+// demo moves is not the server's, so its lost ack is redelivered after this
+// much real time.
+const demoNATSAckWait = time.Second
+
 // runDemo runs the scenario against a new database at dbPath (a temporary
-// file if empty). pause, if set, is called before each step.
-func runDemo(ctx context.Context, out io.Writer, dbPath string, pause func(title string)) error {
+// file if empty), on NATS JetStream if brokerURL is set. pause, if set, is
+// called before each step.
+func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string)) error {
 	kept := dbPath != ""
 	if !kept {
 		dir, err := os.MkdirTemp("", "retrysafe-demo-")
@@ -107,6 +117,26 @@ func runDemo(ctx context.Context, out io.Writer, dbPath string, pause func(title
 	}
 	defer app.db.Close()
 	d.app = app
+	d.ackWait = app.leases.ackWait
+	if brokerURL != "" {
+		if !strings.HasPrefix(brokerURL, "nats://") {
+			return fmt.Errorf("--broker %q: want a nats:// URL", brokerURL)
+		}
+		// A stream of this run's own, so that nothing from another run is
+		// delivered to it.
+		stream := fmt.Sprintf("RETRYSAFE_DEMO_%d", time.Now().UnixNano())
+		broker, err := openNATSBroker(ctx, brokerURL, stream, demoNATSAckWait)
+		if err != nil {
+			return err
+		}
+		defer deleteNATSStream(brokerURL, stream)
+		defer broker.close()
+		app.broker = broker
+		d.ackWait = demoNATSAckWait
+		if err := app.subscribeConsumers(ctx); err != nil {
+			return err
+		}
+	}
 
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -129,7 +159,7 @@ func runDemo(ctx context.Context, out io.Writer, dbPath string, pause func(title
 		return err
 	}
 	if kept {
-		fmt.Fprintf(out, "\nThe database is in %s: try 'go run . inspect --db %s'.\n", redactURL(dbPath), redactURL(dbPath))
+		fmt.Fprintf(out, "\nThe database is in %s: try \"go run . inspect --db '%s'\".\n", redactURL(dbPath), redactURL(dbPath))
 	}
 	return nil
 }
@@ -238,21 +268,36 @@ func (d *demo) relay(ctx context.Context, relayID string) (int, error) {
 }
 
 // consume runs one pass of the named consumer and says what the inbox did.
+// On an error it returns what the pass did before it.
 func (d *demo) consume(ctx context.Context, name string) ([]receiveResult, error) {
 	for _, c := range d.app.consumers() {
 		if c.name != name {
 			continue
 		}
 		results, err := d.app.consumeOnce(ctx, c, consumeBatchSize)
-		if err != nil {
-			return nil, err
-		}
 		for _, result := range results {
 			d.say("%s: message %s -> %s", name, result.MessageID, result.Outcome)
 		}
-		return results, nil
+		return results, err
 	}
 	return nil, fmt.Errorf("bug: no consumer %s", name)
+}
+
+// consumeRedelivery runs passes of the named consumer until a message comes.
+// The embedded broker has it at once (the demo moved its clock); NATS
+// JetStream redelivers after demoNATSAckWait of real time.
+func (d *demo) consumeRedelivery(ctx context.Context, name string) ([]receiveResult, error) {
+	deadline := time.Now().Add(10 * demoNATSAckWait)
+	for {
+		results, err := d.consume(ctx, name)
+		if err != nil || len(results) > 0 {
+			return results, err
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%s got no redelivery within %s", name, 10*demoNATSAckWait)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // runSagas runs one saga pass and prints each saga's steps.
@@ -347,34 +392,31 @@ func (d *demo) run(ctx context.Context) error {
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
 		return err
 	}
-	var duplicates int
-	if err := d.app.db.QueryRowContext(ctx, `SELECT duplicates FROM broker_messages`).Scan(&duplicates); err != nil {
-		return fmt.Errorf("read broker duplicates: %w", err)
-	}
-	d.say("outbox: published again with the same event_id as message id; the broker dropped the copy")
-	if err := d.check(d.count(ctx, `SELECT COUNT(*) FROM broker_messages`) == 1 && duplicates == 1,
-		"1 message in the broker, 1 duplicate publish absorbed"); err != nil {
-		return err
-	}
-
-	// 5. The broker redelivers; the inbox skips.
-	d.title("The payment service consumes OrderCreated; the broker redelivers it")
-	if _, err := d.consume(ctx, paymentServiceConsumer); err != nil {
-		return err
-	}
 	var eventID string
 	if err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID).Scan(&eventID); err != nil {
 		return fmt.Errorf("read the OrderCreated event id: %w", err)
 	}
-	embedded, ok := d.app.broker.(*embeddedBroker)
-	if !ok {
-		return errors.New("bug: the demo runs on the embedded broker")
-	}
-	if err := embedded.redeliver(ctx, paymentServiceConsumer, eventID); err != nil {
+	stored, dropped, err := d.app.broker.held(ctx, eventID)
+	if err != nil {
 		return err
 	}
-	d.say("broker: redelivering %s (an ack was lost)", eventID)
-	again, err := d.consume(ctx, paymentServiceConsumer)
+	d.say("outbox: published again with the same event_id as message id; the broker dropped the copy")
+	if err := d.check(stored == 1 && dropped == 1,
+		"1 message in the broker, 1 duplicate publish absorbed"); err != nil {
+		return err
+	}
+
+	// 5. The ack is lost; the broker redelivers; the inbox skips.
+	d.title("The payment service consumes OrderCreated, and dies before its ack reaches the broker")
+	d.crashAt = faultAfterEffect
+	applied, err := d.consume(ctx, paymentServiceConsumer)
+	if err := d.check(errors.Is(err, errCrash) && len(applied) == 1 && applied[0].Outcome == inboxApplied,
+		"the saga was started and the message recorded in the inbox, in one transaction; no ack was sent (%v)", err); err != nil {
+		return err
+	}
+	d.clock.advance(d.ackWait + time.Second)
+	d.say("%s later the broker has had no ack, so it delivers %s again", d.ackWait+time.Second, eventID)
+	again, err := d.consumeRedelivery(ctx, paymentServiceConsumer)
 	if err != nil {
 		return err
 	}
@@ -499,6 +541,15 @@ func (d *demo) run(ctx context.Context) error {
 // how often it happened.
 func (d *demo) summary(ctx context.Context, orderID, declinedID string) error {
 	fmt.Fprintf(d.out, "\n== Every effect happened once ==\n")
+	var eventID string
+	err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ? AND event_type = 'OrderCreated'`, orderID).Scan(&eventID)
+	if err != nil {
+		return fmt.Errorf("read the OrderCreated event id: %w", err)
+	}
+	orderCreatedStored, _, err := d.app.broker.held(ctx, eventID)
+	if err != nil {
+		return err
+	}
 	rows := []struct {
 		effect    string
 		attempts  string
@@ -506,7 +557,7 @@ func (d *demo) summary(ctx context.Context, orderID, declinedID string) error {
 		wantTimes int
 	}{
 		{"order created for " + demoKey, "3 POSTs", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ?`, demoKey), 1},
-		{"OrderCreated in the broker", "2 publishes", d.count(ctx, `SELECT COUNT(*) FROM broker_messages m JOIN outbox_events e ON e.event_id = m.message_id WHERE e.aggregate_id = ? AND e.event_type = 'OrderCreated'`, orderID), 1},
+		{"OrderCreated in the broker", "2 publishes", orderCreatedStored, 1},
 		{"saga started by payment-svc", "2 deliveries", d.count(ctx, `SELECT COUNT(*) FROM saga_instances WHERE order_id = ?`, orderID), 1},
 		{"card charged", "2 charge calls", d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ? AND status = 'succeeded'`, orderID), 1},
 		{"stock sold for the first order", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations WHERE order_id = ? AND status = 'sold'`, orderID), 1},

@@ -49,6 +49,9 @@ type natsBroker struct {
 	mu sync.Mutex
 	// durables maps a subscriber to its durable consumers, one per subject.
 	durables map[string][]string
+	// dropped counts, per message id, the publishes of this process that
+	// JetStream reported as duplicates.
+	dropped map[string]int
 }
 
 // openNATSBroker connects to url and makes sure the stream exists. stream
@@ -65,7 +68,7 @@ func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Durati
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	b := &natsBroker{conn: conn, js: js, stream: stream, prefix: strings.ToLower(stream), ackWait: ackWait,
-		durables: map[string][]string{}}
+		durables: map[string][]string{}, dropped: map[string]int{}}
 	_, err = js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:       stream,
 		Subjects:   []string{b.prefix + ".>"},
@@ -130,7 +133,12 @@ func (b *natsBroker) publishBatch(ctx context.Context, msgs []message) error {
 	}
 	for i, future := range futures {
 		select {
-		case <-future.Ok():
+		case ack := <-future.Ok():
+			if ack.Duplicate {
+				b.mu.Lock()
+				b.dropped[msgs[i].ID]++
+				b.mu.Unlock()
+			}
 		case err := <-future.Err():
 			return fmt.Errorf("publish %s: %w", msgs[i].ID, err)
 		case <-ctx.Done():
@@ -214,4 +222,35 @@ func (b *natsBroker) nak(ctx context.Context, d delivery, delay time.Duration) e
 		return fmt.Errorf("nak %s for %s: %w", d.ID, d.Subscriber, err)
 	}
 	return nil
+}
+
+// held returns how many copies of messageID the stream stores, and how many
+// of this process's publishes of it JetStream dropped as duplicates. It
+// reads every message in the stream, which suits the demo's small stream,
+// not a production one.
+func (b *natsBroker) held(ctx context.Context, messageID string) (int, int, error) {
+	stream, err := b.js.Stream(ctx, b.stream)
+	if err != nil {
+		return 0, 0, fmt.Errorf("stream %s: %w", b.stream, err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("stream %s: %w", b.stream, err)
+	}
+	stored := 0
+	for seq := info.State.FirstSeq; seq > 0 && seq <= info.State.LastSeq; seq++ {
+		msg, err := stream.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return 0, 0, fmt.Errorf("read message %d of %s: %w", seq, b.stream, err)
+		}
+		if msg.Header.Get(jetstream.MsgIDHeader) == messageID {
+			stored++
+		}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return stored, b.dropped[messageID], nil
 }

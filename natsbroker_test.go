@@ -88,6 +88,13 @@ func TestNATSBroker(t *testing.T) {
 		if got := streamMessages(t, broker); got != 1 {
 			t.Fatalf("the stream holds %d messages, want 1", got)
 		}
+		var eventID string
+		if err := env.app.db.QueryRow(`SELECT event_id FROM outbox_events`).Scan(&eventID); err != nil {
+			t.Fatal(err)
+		}
+		if stored, dropped, err := broker.held(ctx, eventID); err != nil || stored != 1 || dropped != 1 {
+			t.Fatalf("held(%s) = %d stored, %d dropped, %v; want 1 and 1", eventID, stored, dropped, err)
+		}
 	})
 
 	// Ensure a message that is not acked comes back after AckWait with a
