@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"database/sql"
+	"path/filepath"
+	"sort"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -81,5 +84,57 @@ func TestConcurrentReadModifyWrite(t *testing.T) {
 	}
 	if got := env.count(t, `SELECT available FROM stock_items WHERE sku = 'sku-1'`); got != 1000-writers*rounds {
 		t.Fatalf("available = %d after %d decrements from 1000, want %d", got, writers*rounds, 1000-writers*rounds)
+	}
+}
+
+// tableColumns returns "table.column" for every column of db's tables, in
+// order, from a query that lists table and column names.
+func tableColumns(tb testing.TB, db *sql.DB, query string) []string {
+	tb.Helper()
+	rows, err := db.Query(query)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer rows.Close()
+	var columns []string
+	for rows.Next() {
+		var table, column string
+		if err := rows.Scan(&table, &column); err != nil {
+			tb.Fatal(err)
+		}
+		columns = append(columns, table+"."+column)
+	}
+	if err := rows.Err(); err != nil {
+		tb.Fatal(err)
+	}
+	sort.Strings(columns)
+	return columns
+}
+
+// Ensure schema.sql and schema_postgres.sql describe the same tables and
+// columns: a migration added to one file and forgotten in the other fails
+// here.
+func TestSchemasAgree(t *testing.T) {
+	if !onPostgres() {
+		t.Skipf("set %s to compare the PostgreSQL schema with SQLite's", testPostgresEnv)
+	}
+	ctx := context.Background()
+	sqliteDB, err := openDB(ctx, filepath.Join(t.TempDir(), "schema.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sqliteDB.Close()
+	postgresDB, err := openDB(ctx, testDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer postgresDB.Close()
+	sqliteColumns := tableColumns(t, sqliteDB, `
+		SELECT m.name, c.name FROM sqlite_schema m, pragma_table_info(m.name) c WHERE m.type = 'table'`)
+	postgresColumns := tableColumns(t, postgresDB, `
+		SELECT table_name, column_name FROM information_schema.columns
+		WHERE table_schema = current_schema() AND table_name <> 'schema_migrations'`)
+	if got, want := strings.Join(postgresColumns, "\n"), strings.Join(sqliteColumns, "\n"); got != want {
+		t.Fatalf("PostgreSQL columns:\n%s\n\nSQLite columns:\n%s", got, want)
 	}
 }
