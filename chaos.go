@@ -223,7 +223,7 @@ func freeLoopbackAddr() (string, error) {
 // order (and sku-rare short, so some orders are cancelled for stock).
 func prepareChaosDB(ctx context.Context, path string) error {
 	if err := requireNewDatabase(ctx, path); err != nil {
-		return fmt.Errorf("chaos starts from a new database: %w", err)
+		return err
 	}
 	app, err := openApp(ctx, path, nil, nil, nil)
 	if err != nil {
@@ -248,6 +248,9 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	defer cancel()
 	report := chaosReport{Orders: cfg.Orders, OnNATS: cfg.BrokerURL != ""}
 
+	if err := checkBrokerURL(cfg.BrokerURL); err != nil {
+		return report, err
+	}
 	if err := prepareChaosDB(ctx, cfg.DBPath); err != nil {
 		return report, err
 	}

@@ -171,7 +171,7 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 func requireNewDatabase(ctx context.Context, target string) error {
 	if !isPostgresURL(target) {
 		if _, err := os.Stat(target); err == nil {
-			return fmt.Errorf("%s already exists; remove it or name another file", target)
+			return fmt.Errorf("%s already exists; this starts from a new database, so remove it or name another file", target)
 		}
 		return nil
 	}
@@ -185,7 +185,7 @@ func requireNewDatabase(ctx context.Context, target string) error {
 		return fmt.Errorf("look at %s: %w", redactURL(target), err)
 	}
 	if exists {
-		return fmt.Errorf("%s already holds retrysafe's tables; create a new database (createdb) or name another", redactURL(target))
+		return fmt.Errorf("%s already holds retrysafe's tables; this starts from a new database, so drop and create it again (dropdb, createdb) or name another", redactURL(target))
 	}
 	return nil
 }

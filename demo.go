@@ -97,7 +97,25 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 		defer os.RemoveAll(dir)
 		dbPath = filepath.Join(dir, "demo.db")
 	} else if err := requireNewDatabase(ctx, dbPath); err != nil {
-		return fmt.Errorf("the demo starts from a new database: %w", err)
+		return err
+	}
+	// Connect to the broker before the database is created: a mistyped
+	// --broker must not leave a half-set-up database behind.
+	var broker *natsBroker
+	if brokerURL != "" {
+		if err := checkBrokerURL(brokerURL); err != nil {
+			return err
+		}
+		// A stream of this run's own, so that nothing from another run is
+		// delivered to it.
+		stream := fmt.Sprintf("RETRYSAFE_DEMO_%d", time.Now().UnixNano())
+		var err error
+		broker, err = openNATSBroker(ctx, brokerURL, stream, demoNATSAckWait)
+		if err != nil {
+			return err
+		}
+		defer deleteNATSStream(brokerURL, stream)
+		defer broker.close()
 	}
 
 	d := &demo{clock: newFakeClock(demoStart), out: out, pause: pause}
@@ -118,19 +136,7 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 	defer app.db.Close()
 	d.app = app
 	d.ackWait = app.leases.ackWait
-	if brokerURL != "" {
-		if !strings.HasPrefix(brokerURL, "nats://") {
-			return fmt.Errorf("--broker %q: want a nats:// URL", brokerURL)
-		}
-		// A stream of this run's own, so that nothing from another run is
-		// delivered to it.
-		stream := fmt.Sprintf("RETRYSAFE_DEMO_%d", time.Now().UnixNano())
-		broker, err := openNATSBroker(ctx, brokerURL, stream, demoNATSAckWait)
-		if err != nil {
-			return err
-		}
-		defer deleteNATSStream(brokerURL, stream)
-		defer broker.close()
+	if broker != nil {
 		app.broker = broker
 		d.ackWait = demoNATSAckWait
 		if err := app.subscribeConsumers(ctx); err != nil {

@@ -44,17 +44,19 @@ type dialect struct {
 	// under an idempotency key (keyTx).
 	//
 	// On PostgreSQL, SERIALIZABLE is too blunt here: looking up a key that
-	// is not there locks the index page it would be on, so concurrent
-	// requests with different keys (adjacent in the index) fail each other
-	// and retry over and over. What the transaction needs is narrower: no
-	// other request may claim the same key until it commits, which is what
-	// BEGIN IMMEDIATE gives on SQLite. So it runs READ COMMITTED and first
-	// takes a transaction-scoped advisory lock on a hash of the key: a
-	// duplicate request waits there, then sees the committed key and
-	// replays. Everything else it writes is new rows of its own.
+	// is not there takes a predicate (SIRead) lock on the index page it
+	// would be on. That lock blocks nobody, but concurrent requests with
+	// different keys (adjacent in the index) then fail each other's commit
+	// with 40001 and retry over and over. What the transaction needs is
+	// narrower: no other request may claim the same (user, key) until it
+	// commits, which is what BEGIN IMMEDIATE gives on SQLite. So it runs
+	// READ COMMITTED and first takes a transaction-scoped advisory lock on a
+	// hash of the (user, key) pair: a duplicate request waits there, then
+	// sees the committed key and replays. Everything else it writes is new
+	// rows of its own.
 	keyTxOptions *sql.TxOptions
-	// lockKey takes that lock, with the key as its one parameter; empty on
-	// SQLite.
+	// lockKey takes that lock; its one parameter names the (user, key)
+	// pair (see keyTx). Empty on SQLite.
 	lockKey string
 	// retryTx says whether withTx retries a transaction that failed with
 	// err. SQLite never needs to (BEGIN IMMEDIATE waits for the lock

@@ -159,6 +159,9 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
 	}
+	if err := checkBrokerURL(brokerURL); err != nil {
+		return err
+	}
 	apiKeys, webhookSecret, err := serveConfig(out)
 	if err != nil {
 		return err
@@ -190,7 +193,11 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, durability %s, %s)\n", listener.Addr(), redactURL(dbPath), d, brokerName(brokerURL, stream))
+	durabilityName := "durability " + string(d)
+	if isPostgresURL(dbPath) {
+		durabilityName = "durability set by the server's synchronous_commit"
+	}
+	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, %s, %s)\n", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -255,6 +262,9 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
 	}
+	if err := checkBrokerURL(brokerURL); err != nil {
+		return err
+	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
@@ -270,7 +280,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	defer closeBroker()
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
-	logger.Info("started", "role", role, "db", dbPath, "broker", brokerName(brokerURL, stream))
+	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))
 	loops.Wait()
 	logger.Info("stopped", "role", role)
 	return nil
@@ -319,6 +329,15 @@ func brokerName(url, stream string) string {
 	return "NATS JetStream " + url + " stream " + stream
 }
 
+// checkBrokerURL returns an error unless url is empty (the embedded broker)
+// or a nats:// URL. Commands check it before they touch the database.
+func checkBrokerURL(url string) error {
+	if url != "" && !strings.HasPrefix(url, "nats://") {
+		return fmt.Errorf("--broker %q: want a nats:// URL", url)
+	}
+	return nil
+}
+
 // useBroker switches app to NATS JetStream and stream if url is set, and
 // returns what closes it. Every process of one system must use the same
 // broker and stream.
@@ -326,8 +345,8 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	if url == "" {
 		return func() {}, nil
 	}
-	if !strings.HasPrefix(url, "nats://") {
-		return nil, fmt.Errorf("--broker %q: want a nats:// URL", url)
+	if err := checkBrokerURL(url); err != nil {
+		return nil, err
 	}
 	broker, err := openNATSBroker(ctx, url, stream, app.leases.ackWait)
 	if err != nil {

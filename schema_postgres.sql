@@ -1,5 +1,6 @@
--- The retrysafe schema for PostgreSQL: the same tables, columns and
--- constraints as schema.sql, with each table's comment there. Each
+-- The retrysafe schema for PostgreSQL: the same tables, columns, indexes
+-- and constraints as schema.sql (TestSchemasAgree checks the columns), and
+-- the same comment on each table. Each
 -- "-- version N" section is a migration, applied in order in its own
 -- transaction and recorded in schema_migrations (see dialect.go). Never edit
 -- a section that has shipped; add a new one below, in both files.
