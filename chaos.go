@@ -270,7 +270,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		// A stream of this run's own: nothing left in it by another run.
 		stream := fmt.Sprintf("CHAOS%d_%d", cfg.Seed, time.Now().UnixNano())
 		common = append(common, "--broker", cfg.BrokerURL, "--nats-stream", stream)
-		defer deleteNATSStream(cfg.BrokerURL, stream)
+		defer deleteNATSStream(log, cfg.BrokerURL, stream)
 	}
 	var processes []*chaosProcess
 	var bases []string
@@ -410,16 +410,19 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	return report, nil
 }
 
-// deleteNATSStream removes a chaos run's stream.
-func deleteNATSStream(url, stream string) {
+// deleteNATSStream removes a chaos run's stream. The run is over by then,
+// so a failure is only reported.
+func deleteNATSStream(w io.Writer, url, stream string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	broker, err := openNATSBroker(ctx, url, stream, ackWait)
-	if err != nil {
-		return
+	if err == nil {
+		defer broker.close()
+		err = broker.deleteStream(ctx)
 	}
-	defer broker.close()
-	broker.js.DeleteStream(ctx, stream)
+	if err != nil {
+		fmt.Fprintf(w, "could not delete the NATS stream %s: %v\n", stream, err)
+	}
 }
 
 // lockedWriter serialises writes of several processes to one log.

@@ -147,7 +147,7 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 		return openReadOnlyPostgres(ctx, path)
 	}
 	if _, err := os.Stat(path); err != nil {
-		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
+		return nil, noDatabaseError(path)
 	}
 	query := url.Values{}
 	query.Set("mode", "ro")
@@ -162,6 +162,12 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 		return nil, err
 	}
 	return db, nil
+}
+
+// noDatabaseError says that there is no SQLite file at path, and how to
+// make one.
+func noDatabaseError(path string) error {
+	return fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
 }
 
 // requireNewDatabase returns an error unless target is a database that

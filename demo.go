@@ -114,8 +114,14 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 		if err != nil {
 			return err
 		}
-		defer deleteNATSStream(brokerURL, stream)
+		// Deferred after close, so it runs before it, on the same
+		// connection.
 		defer broker.close()
+		defer func() {
+			if err := broker.deleteStream(context.WithoutCancel(ctx)); err != nil {
+				fmt.Fprintf(out, "could not delete the demo's NATS stream: %v\n", err)
+			}
+		}()
 	}
 
 	d := &demo{clock: newFakeClock(demoStart), out: out, pause: pause}

@@ -82,8 +82,10 @@ func newRootCommand() *cobra.Command {
 // consumers are not subscribed yet; see startProcess.
 func openExistingApp(ctx context.Context, path string) (*App, error) {
 	// (A PostgreSQL URL with a typo fails to connect instead.)
-	if _, err := os.Stat(path); !isPostgresURL(path) && errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("no database at %s; create one with 'retrysafe serve --db %s' or 'retrysafe demo --db %s'", path, path, path)
+	if !isPostgresURL(path) {
+		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+			return nil, noDatabaseError(path)
+		}
 	}
 	db, err := openDB(ctx, path)
 	if err != nil {

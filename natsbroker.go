@@ -82,6 +82,15 @@ func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Durati
 	return b, nil
 }
 
+// deleteStream deletes the broker's stream with everything in it: the
+// demo's and the chaos run's, which belong to one run.
+func (b *natsBroker) deleteStream(ctx context.Context) error {
+	if err := b.js.DeleteStream(ctx, b.stream); err != nil {
+		return fmt.Errorf("delete stream %s: %w", b.stream, err)
+	}
+	return nil
+}
+
 // close drains nothing and disconnects.
 func (b *natsBroker) close() {
 	b.conn.Close()

@@ -29,7 +29,9 @@ func useTestNATS(tb testing.TB, env *testEnv, ackWait time.Duration) *natsBroker
 		tb.Fatalf("NATS at %s: %v", url, err)
 	}
 	tb.Cleanup(func() {
-		broker.js.DeleteStream(context.Background(), stream)
+		if err := broker.deleteStream(context.Background()); err != nil {
+			tb.Error(err)
+		}
 		broker.close()
 	})
 	env.app.broker = broker
