@@ -268,3 +268,34 @@ CREATE TABLE processor_refunds (
     key_hits        INTEGER NOT NULL DEFAULT 0,
     created_at      TEXT NOT NULL
 );
+
+-- version 2
+
+-- lease_token is the fencing token of a saga's lease: every claim adds one,
+-- and every write the worker makes afterwards (step, reservation,
+-- compensation, status) checks it in the same statement. A worker that was
+-- paused past its lease while another claimed the saga finds its token gone
+-- and stops without writing; locked_by alone cannot tell a stale claim of
+-- the same worker name from a fresh one.
+ALTER TABLE saga_instances ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
+
+-- lease_token is the fencing token of the relay's claim on an event: a relay
+-- that was paused past its lease cannot mark published (or failed) an event
+-- that another relay has claimed since.
+ALTER TABLE outbox_events ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
+
+-- inbox_failures counts, per consumer and message, the deliveries on which
+-- the consumer's own code failed for a reason that may pass (a transient
+-- error), recorded in the transaction that rolled that message back. A
+-- delivery whose whole transaction failed (the database down, the process
+-- dead) leaves no count: our side failing never uses up a message's tries,
+-- so an outage longer than the broker's redelivery limit loses nothing. The
+-- maxDeliveries-th counted failure makes the message poison.
+CREATE TABLE inbox_failures (
+    consumer       TEXT NOT NULL,
+    message_id     TEXT NOT NULL,
+    failures       INTEGER NOT NULL CHECK (failures > 0),
+    last_error     TEXT NOT NULL,
+    last_failed_at TEXT NOT NULL,
+    PRIMARY KEY (consumer, message_id)
+) WITHOUT ROWID; -- rows are found by their key only

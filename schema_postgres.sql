@@ -279,3 +279,18 @@ CREATE TABLE processor_refunds (
     key_hits        BIGINT NOT NULL DEFAULT 0,
     created_at      utc_time NOT NULL
 );
+
+-- version 2
+
+-- The fencing tokens of the saga's and the relay's leases, and the inbox's
+-- own count of failed deliveries: see version 2 of schema.sql for why.
+ALTER TABLE saga_instances ADD COLUMN lease_token BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE outbox_events ADD COLUMN lease_token BIGINT NOT NULL DEFAULT 0;
+CREATE TABLE inbox_failures (
+    consumer       TEXT NOT NULL,
+    message_id     TEXT NOT NULL,
+    failures       INTEGER NOT NULL CHECK (failures > 0),
+    last_error     TEXT NOT NULL,
+    last_failed_at utc_time NOT NULL,
+    PRIMARY KEY (consumer, message_id)
+);
