@@ -28,6 +28,10 @@ const (
 	// faultAfterEffect: the consumer's effect and inbox row are committed, the
 	// broker has not seen the ack.
 	faultAfterEffect faultPoint = "inbox.after_effect"
+	// faultBeforeStep: a saga worker has read the saga and is about to run
+	// its next step or compensation. A worker paused here acts on what it
+	// read, however long ago that was.
+	faultBeforeStep faultPoint = "saga.before_step"
 	// faultAfterStepEffect: a saga step's local effect is written, its record
 	// not yet (they share one transaction, so this rolls both back).
 	faultAfterStepEffect faultPoint = "saga.after_step_effect"
@@ -58,6 +62,7 @@ func allFaultPoints() []faultPoint {
 		faultPublish,
 		faultAfterPublish,
 		faultAfterEffect,
+		faultBeforeStep,
 		faultAfterStepEffect,
 		faultBeforeProcessorCall,
 		faultAfterProcessorCall,
