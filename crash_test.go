@@ -65,7 +65,37 @@ func TestCheck(t *testing.T) {
 			"once quiet, every saga is terminal"},
 		{"PendingEvent", `UPDATE outbox_events SET status = 'pending' WHERE aggregate_id = :paid AND event_type = 'PaymentCaptured'`,
 			"once quiet, no event is left unpublished"},
+		{"SagaStepsDisagree", `UPDATE saga_steps SET status = 'compensated' WHERE step_index = 0 AND saga_id = (SELECT saga_id FROM saga_instances WHERE order_id = :paid)`,
+			"a saga's status agrees with its steps"},
+		{"SagaPulledBack", `UPDATE saga_instances SET status = 'in_progress' WHERE status = 'compensated'`,
+			"a saga's status agrees with its steps"},
+		{"RefundedBeyondTheOrder", `UPDATE orders SET refunded_cents = amount_cents + 1 WHERE order_id = :paid`,
+			"an order's refunded amount is a whole number no larger than the order"},
+		{"FailedEventHoldsBackItsOrder", `UPDATE outbox_events SET status = 'failed', last_error = 'broker down' WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
+			failedEventsInvariant},
 	}
+	// Ensure inspect says which order a failed event holds back, and how
+	// many of its events wait behind it: nothing but an operator releases
+	// them.
+	t.Run("InspectNamesTheOrderAFailedEventHoldsBack", func(t *testing.T) {
+		env, paid := settledEnv(t)
+		_, err := env.app.db.Exec(`
+			UPDATE outbox_events SET status = CASE event_type WHEN 'OrderCreated' THEN 'failed' ELSE 'pending' END,
+			       last_error = 'broker down', attempts = 10
+			WHERE aggregate_id = ?`, paid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		if err := inspect(context.Background(), env.app.db, &out, false); err != nil {
+			t.Fatal(err)
+		}
+		want := "failed after 10 attempts (broker down); 1 later events of " + paid + " wait behind it"
+		if !strings.Contains(out.String(), "ATTENTION: OrderCreated ") || !strings.Contains(out.String(), want) {
+			t.Fatalf("inspect says:\n%s\nwant an ATTENTION line ending %q", out.String(), want)
+		}
+	})
+
 	for _, tt := range tamperings {
 		t.Run("Reports"+tt.name, func(t *testing.T) {
 			env, paid := settledEnv(t)
