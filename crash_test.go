@@ -243,20 +243,6 @@ func mustHaveDoneTheWorkloadOnce(tb testing.TB, env *testEnv) {
 	}
 }
 
-// pointsInsideTransaction are the fault points reached while the process
-// holds a transaction open. On SQLite that transaction holds the database's
-// write lock, so a process paused there stops every other writer until it
-// resumes: no one can take its work over meanwhile (it is an outage for
-// the others, which the outage tests cover), and a test that waited for
-// another worker to act would wait for ever.
-func pointsInsideTransaction() map[faultPoint]bool {
-	return map[faultPoint]bool{
-		faultAfterKeyClaim:      true,
-		faultAfterBusinessWrite: true,
-		faultAfterStepEffect:    true,
-	}
-}
-
 // Ensure that for every registered fault point outside a transaction, and
 // for each time the workload passes it, a process paused there for longer
 // than every lease, while another process takes its work over, changes
@@ -273,9 +259,8 @@ func TestPauseAtEveryFaultPoint(t *testing.T) {
 	// point.
 	dry := MustOpenApp(t)
 	crashWorkload(t, dry)
-	inside := pointsInsideTransaction()
 	for _, point := range allFaultPoints() {
-		if inside[point] {
+		if point.insideTransaction() {
 			continue
 		}
 		passes := min(dry.fault.hitCount(point), 4)
@@ -381,7 +366,7 @@ func (p *pausedProcess) startUntilPaused(ctx context.Context) {
 // atFaultPoint is the fault hook of p's workers: the first point outside a
 // transaction after startUntilPaused pauses them until resumeAndWait.
 func (p *pausedProcess) atFaultPoint(point faultPoint) error {
-	if !p.pauseAtNextPoint || pointsInsideTransaction()[point] {
+	if !p.pauseAtNextPoint || point.insideTransaction() {
 		return nil
 	}
 	p.pauseAtNextPoint = false

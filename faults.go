@@ -73,6 +73,21 @@ func allFaultPoints() []faultPoint {
 	}
 }
 
+// insideTransaction reports whether point is reached while the process
+// holds a transaction open. On SQLite that transaction holds the database's
+// write lock, so a process paused there stops every other writer until it
+// goes on: nobody can take its work over meanwhile (for the others it is an
+// outage), and a harness that waited for another worker to act would wait
+// for ever. A crash there rolls the transaction back.
+func (point faultPoint) insideTransaction() bool {
+	switch point {
+	case faultAfterKeyClaim, faultAfterBusinessWrite, faultAfterStepEffect:
+		return true
+	default:
+		return false
+	}
+}
+
 // errCrash is what a faultHook returns to simulate the process dying at a
 // point: the caller abandons its work, uncommitted writes roll back, and the
 // test reopens the database as a fresh process would.
