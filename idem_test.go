@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -366,6 +367,7 @@ func TestIdempotencyKeyLocking(t *testing.T) {
 		env.drain(t)
 
 		type pair struct{ create, refund response }
+		statuses := map[int]int{}
 		for wave := range waves {
 			pairs := make([]pair, orders)
 			errs := make([]error, 2*orders)
@@ -393,6 +395,7 @@ func TestIdempotencyKeyLocking(t *testing.T) {
 			for i, p := range pairs {
 				won := 0
 				for _, r := range []response{p.create, p.refund} {
+					statuses[r.Status]++
 					switch {
 					case r.Status == 200 || r.Status == 201:
 						won++
@@ -406,7 +409,30 @@ func TestIdempotencyKeyLocking(t *testing.T) {
 				}
 			}
 		}
+		t.Logf("statuses of %d requests: %v", 2*orders*waves, statuses)
 		env.drain(t)
 		mustAudit(t, env, true)
+	})
+
+	// Ensure a key inserted twice, by a claim that bypassed keyTx, is
+	// errKeyInProgress (409, retry for the answer), not a database error
+	// (500).
+	t.Run("DuplicateKeyInsertIsInProgressNot500", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ctx := context.Background()
+		req, _ := newOrderRequest(t, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+		insert := func(tx *sql.Tx) error { return insertKey(ctx, tx, req, recoveryStarted, "", env.clock.now()) }
+		if err := withTx(ctx, env.app.db, insert); err != nil {
+			t.Fatal(err)
+		}
+		if err := withTx(ctx, env.app.db, insert); !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("insertKey again got %v, want errKeyInProgress", err)
+		}
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			return insertCompletedKey(ctx, tx, req, apiResponse{Status: 201, Body: []byte(`{}`)}, env.clock.now())
+		})
+		if !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("insertCompletedKey again got %v, want errKeyInProgress", err)
+		}
 	})
 }
