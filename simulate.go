@@ -619,6 +619,17 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		s.report.Counts.Answers5xx++
 		return s.fail("%s %s key %s got %d: %s", req.method, req.path, req.key, answer.status, answer.body)
 	}
+	// Once a request has its answer, the same request (same key, same body)
+	// gets that answer again, byte for byte, while the key lives: a day from
+	// the answer at least.
+	if definitive(answer) {
+		for _, earlier := range req.answers[:len(req.answers)-1] {
+			if definitive(earlier) && earlier.body != answer.body && answer.at.Sub(earlier.at) < idempotencyKeyTTL {
+				return s.fail("%s key %s of %s answered differently within a day:\n  %d %s\n  %d %s",
+					req.path, req.key, req.client.user, earlier.status, earlier.body, answer.status, answer.body)
+			}
+		}
+	}
 	switch req.kind {
 	case "hostile":
 		if answer.status != http.StatusBadRequest {
@@ -633,14 +644,12 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			if !containsString(req.client.orders, orderID) {
 				req.client.orders = append(req.client.orders, orderID)
 			}
-			// A 201 for the same key and body while the key lives is the
-			// first one again, byte for byte.
-			for _, earlier := range req.answers[:len(req.answers)-1] {
-				if earlier.status == http.StatusCreated && earlier.body != answer.body &&
-					answer.at.Sub(earlier.at) < idempotencyKeyTTL-s.app.leases.refundLock {
-					return s.fail("key %s of %s answered two different 201s within a day:\n  %s\n  %s",
-						req.key, req.client.user, earlier.body, answer.body)
-				}
+		}
+		// A key is "reused" only while it lives: a day after every answer
+		// given under it, it is free for a new request.
+		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
+			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && answer.at.Sub(last) >= idempotencyKeyTTL {
+				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, answer.at.Sub(last))
 			}
 		}
 	case "refund":
@@ -649,6 +658,35 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		}
 	}
 	return nil
+}
+
+// definitive reports whether answer is the request's outcome, one that a
+// retry must get again: not a "try again" (503, or a 409 that says the key
+// or the payment is busy).
+func definitive(answer simAnswer) bool {
+	if answer.status == http.StatusServiceUnavailable {
+		return false
+	}
+	kind := problemType(orderField([]byte(answer.body), "type"))
+	return answer.status != http.StatusConflict || (kind != problemKeyInProgress && kind != problemPaymentPending)
+}
+
+// lastAnswerUnderKey returns the time of the latest definitive answer that
+// a request of client other than except got under key.
+func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time.Time, bool) {
+	var last time.Time
+	found := false
+	for _, req := range client.requests {
+		if req == except || req.key != key {
+			continue
+		}
+		for _, answer := range req.answers {
+			if definitive(answer) && (!found || answer.at.After(last)) {
+				last, found = answer.at, true
+			}
+		}
+	}
+	return last, found
 }
 
 // shorten cuts s to n bytes for the trace.
@@ -742,14 +780,7 @@ func undecided(req *simRequest) bool {
 		// A webhook the processor sent got no answer: it sends it again.
 		return true
 	}
-	last := req.answers[len(req.answers)-1]
-	if last.status == http.StatusServiceUnavailable {
-		return true
-	}
-	// 409s that say "not now": the key is busy, or the payment not settled.
-	// Other 409s (an order that cannot be refunded) are answers.
-	kind := problemType(orderField([]byte(last.body), "type"))
-	return last.status == http.StatusConflict && (kind == problemKeyInProgress || kind == problemPaymentPending)
+	return !definitive(req.answers[len(req.answers)-1])
 }
 
 // resend sends req again, synchronously, while quiet.
