@@ -568,8 +568,9 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 // it: mostly for a refund really made at its dashboard (of one cent, or of
 // all that remains), sometimes a redelivery of an earlier event, and
 // sometimes a signed event whose amount no refund could have (more than
-// remains, or absurd), which must change nothing. nil if no paid order has
-// a charge yet.
+// remains, or absurd), which must change nothing. The charge may not be
+// recorded on its order yet: the event then arrives early. nil if the
+// processor has made no charge yet.
 func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequest {
 	if len(s.webhooks) > 0 && s.chance(0.3) {
 		s.report.Counts.Webhooks++
@@ -578,9 +579,8 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	var chargeID string
 	var amount, refunded int64
 	err := s.app.db.QueryRowContext(ctx, `
-		SELECT c.charge_id, c.amount_cents, c.refunded_cents
-		FROM processor_charges c JOIN orders o ON o.charge_id = c.charge_id
-		WHERE c.status = 'succeeded' ORDER BY c.charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &amount, &refunded)
+		SELECT charge_id, amount_cents, refunded_cents FROM processor_charges
+		WHERE status = 'succeeded' ORDER BY charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &amount, &refunded)
 	if err != nil {
 		return nil
 	}
