@@ -219,3 +219,46 @@ func TestInbox(t *testing.T) {
 		}
 	})
 }
+
+func TestEmbeddedBroker(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a consumer paused past ackWait, whose message another consumer
+	// has fetched since, can neither ack nor nak the other's delivery (the
+	// delivery count fences both), and the other's ack stands.
+	t.Run("StaleHolderCannotAckOrNakTheNextDelivery", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := env.app.broker
+		if err := broker.subscribe(ctx, "billing", "Ping"); err != nil {
+			t.Fatal(err)
+		}
+		if err := broker.publishBatch(ctx, []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}}); err != nil {
+			t.Fatal(err)
+		}
+		a, err := broker.fetch(ctx, "billing", 1)
+		if err != nil || len(a) != 1 {
+			t.Fatalf("A fetched %v, %v", a, err)
+		}
+		env.clock.advance(env.app.leases.ackWait)
+		b, err := broker.fetch(ctx, "billing", 1)
+		if err != nil || len(b) != 1 || b[0].DeliveryCount != 2 {
+			t.Fatalf("B fetched %v, %v; want the second delivery", b, err)
+		}
+		if err := broker.ack(ctx, a[0]); !errors.Is(err, errDeliveryLeaseLost) {
+			t.Fatalf("A's stale ack got %v, want errDeliveryLeaseLost", err)
+		}
+		if err := broker.nak(ctx, a[0], 0); !errors.Is(err, errDeliveryLeaseLost) {
+			t.Fatalf("A's stale nak got %v, want errDeliveryLeaseLost", err)
+		}
+		if c, err := broker.fetch(ctx, "billing", 1); err != nil || len(c) != 0 {
+			t.Fatalf("a third fetch during B's lease got %v, %v; want nothing", c, err)
+		}
+		if err := broker.ack(ctx, b[0]); err != nil {
+			t.Fatalf("B's ack: %v", err)
+		}
+		env.clock.advance(env.app.leases.ackWait)
+		if c, err := broker.fetch(ctx, "billing", 1); err != nil || len(c) != 0 {
+			t.Fatalf("after B's ack a fetch got %v, %v; want nothing", c, err)
+		}
+	})
+}
