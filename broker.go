@@ -4,7 +4,9 @@
 //   - dedupe on publish by message id (like JetStream's Nats-Msg-Id), so a
 //     relay that publishes an event twice stores it once;
 //   - at-least-once delivery to each subscriber, never exactly-once;
-//   - redelivery when a delivery is not acked within ackWait, with a count;
+//   - redelivery when a delivery is not acked within ackWait, with a count,
+//     and without limit: the inbox, not the broker, decides when a message
+//     is poison (see receiveIn);
 //   - a fetch is a lease on the delivery until ackWait passes, and its
 //     delivery_count is the lease's fencing token: only the latest holder's
 //     ack or nak takes effect.
@@ -42,6 +44,11 @@ type delivery struct {
 	Seq int64
 	// DeliveryCount is 1 on the first delivery, more on redeliveries.
 	DeliveryCount int
+	// Malformed, if set, says why the broker could not make a message of
+	// what it delivered (natsBroker: no Nats-Msg-Id header, so nothing
+	// could deduplicate it). ID is then made up by the broker; the
+	// consumer records it as poison under that id, and ack terminates it.
+	Malformed error
 	// natsMsg is the JetStream message to ack, with natsBroker.
 	natsMsg jetstream.Msg
 }
@@ -61,9 +68,12 @@ type messageBroker interface {
 	// publishBatch publishes msgs, deduplicated by message id, and returns
 	// once the broker has them all.
 	publishBatch(ctx context.Context, msgs []message) error
-	// fetch hands up to max due messages to subscriber.
+	// fetch hands up to max due messages to subscriber, each until its
+	// ackWait passes; a message not acked by then is delivered again, as
+	// often as it takes (the inbox, not the broker, gives up on a message).
 	fetch(ctx context.Context, subscriber string, max int) ([]delivery, error)
-	// ack tells the broker the deliveries were handled.
+	// ack tells the broker the deliveries were handled; a Malformed one is
+	// terminated.
 	ack(ctx context.Context, deliveries ...delivery) error
 	// nak asks for d again after delay.
 	nak(ctx context.Context, d delivery, delay time.Duration) error
