@@ -348,6 +348,42 @@ func TestInbox(t *testing.T) {
 		}
 	})
 
+	// Ensure a consumer paused after its commit, past ackWait, while another
+	// takes the message over, applies it once: the other's run is a
+	// duplicate and acks, and the paused consumer's late ack is refused
+	// (errDeliveryLeaseLost) without undoing anything.
+	t.Run("ConsumerPausedPastAckWaitAppliesOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		var takenOver []receiveResult
+		var takeOverErr error
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultAfterEffect && pass == 1 {
+				// A is paused between its commit and its ack.
+				env.clock.advance(env.app.leases.ackWait)
+				takenOver, takeOverErr = env.app.consumeOnce(ctx, payments, 10)
+			}
+			return nil
+		})
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if !errors.Is(err, errDeliveryLeaseLost) || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("A got %v, %v; want applied and its late ack refused", results, err)
+		}
+		if takeOverErr != nil || len(takenOver) != 1 || takenOver[0].Outcome != inboxDuplicate {
+			t.Fatalf("B got %v, %v; want one duplicate", takenOver, takeOverErr)
+		}
+		if got := env.str(t, `SELECT status || ':' || delivery_count FROM broker_deliveries WHERE subscriber = ?`, paymentServiceConsumer); got != "acked:2" {
+			t.Fatalf("the delivery is %s, want acked by B's delivery 2", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != 1 {
+			t.Fatalf("got %d sagas, want 1", got)
+		}
+	})
+
 	// Ensure the message id is the outbox event id from end to end: broker
 	// message id and inbox message id (the sample's demo hand-built one).
 	t.Run("MessageIDIsTheEventID", func(t *testing.T) {

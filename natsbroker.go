@@ -231,6 +231,13 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 // delivery is terminated instead (Term, which the server does not confirm;
 // TermWithReason would do nothing on servers before 2.10.4), so that it
 // never loops.
+//
+// Unlike the embedded broker's, this ack is not fenced: JetStream acks the
+// message, not the delivery, so a consumer paused past AckWait acks the
+// delivery another consumer fetched since (seen on nats-server 2.9). That is
+// harmless here because consumeOnce acks only after its transaction
+// committed: the inbox row is there, the other consumer's run is a
+// duplicate, and its own ack still succeeds.
 func (b *natsBroker) ack(ctx context.Context, deliveries ...delivery) error {
 	for _, d := range deliveries {
 		if d.natsMsg == nil {
@@ -250,6 +257,12 @@ func (b *natsBroker) ack(ctx context.Context, deliveries ...delivery) error {
 }
 
 // nak asks JetStream to deliver d again after delay.
+//
+// Not fenced either: a nak from a consumer paused past AckWait moves the
+// redelivery of the delivery another consumer fetched since, so a third
+// may get the message while the second still works on it. The inbox makes
+// that safe, not the broker: both insert the inbox row first, in the
+// effect's transaction, so one applies and the other finds a duplicate.
 func (b *natsBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
 	if d.natsMsg == nil {
 		return fmt.Errorf("bug: nak of %s without its NATS message", d.ID)

@@ -379,4 +379,48 @@ func TestNATSBroker(t *testing.T) {
 			t.Fatalf("the updated consumer delivered up to %d with %d acks pending, want 1 and 1", info.Delivered.Stream, info.NumAckPending)
 		}
 	})
+
+	// Ensure a consumer paused after its commit, past AckWait, while another
+	// consumer takes the message over, applies it once: JetStream does not
+	// fence the late ack (see natsBroker.ack), and it does no harm, because
+	// the inbox row was committed first and the second run is a duplicate.
+	t.Run("ConsumerPausedPastAckWaitAppliesOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		var takenOver []receiveResult
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point != faultAfterEffect || pass != 1 {
+				return nil
+			}
+			// A is paused between its commit and its ack; B fetches the
+			// message once AckWait has passed.
+			deadline := time.Now().Add(10 * time.Second)
+			for len(takenOver) == 0 && time.Now().Before(deadline) {
+				results, err := env.app.consumeOnce(ctx, payments, 10)
+				if err != nil {
+					return err
+				}
+				takenOver = results
+			}
+			return nil
+		})
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if err != nil || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("A got %v, %v; want applied and its late ack accepted", results, err)
+		}
+		if len(takenOver) != 1 || takenOver[0].Outcome != inboxDuplicate {
+			t.Fatalf("B got %v, want one duplicate", takenOver)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != 1 {
+			t.Fatalf("got %d sagas, want 1", got)
+		}
+		if info := consumerInfo(t, broker, paymentServiceConsumer+"_"+eventOrderCreated); info.NumAckPending != 0 || info.NumPending != 0 {
+			t.Fatalf("the consumer still has %d pending acks and %d pending messages", info.NumAckPending, info.NumPending)
+		}
+	})
 }
