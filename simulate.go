@@ -959,7 +959,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 	cmd.Flags().Uint64Var(&seed, "seed", 1, "the seed of the (first) run")
 	cmd.Flags().IntVar(&seeds, "seeds", 1, "how many seeds to run, from --seed on; stops at the first failure")
 	cmd.Flags().IntVar(&steps, "steps", simulationSteps, "steps per run before the system is made quiet")
-	cmd.Flags().StringVar(&dbPath, "db", "", "keep the run's SQLite file here (a new file; one seed only)")
+	cmd.Flags().StringVar(&dbPath, "db", "", "keep the run's database: a new SQLite file, or the postgres:// URL of an empty database (one seed only)")
 	cmd.Flags().BoolVar(&trace, "trace", false, "print every step as it happens")
 	return cmd
 }
