@@ -172,6 +172,27 @@ func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string,
 	return refundID, nil
 }
 
+// errNoSuchRefund is returned by lookupRefund for a refund id the processor
+// never made.
+var errNoSuchRefund = errors.New("the processor has no such refund")
+
+// lookupRefund returns the charge and the amount of the processor's refund
+// refundID, as a processor's "retrieve a refund" call does. Returns
+// errNoSuchRefund if it made none of that id.
+func (p *Processor) lookupRefund(ctx context.Context, refundID string) (string, int64, error) {
+	var chargeID string
+	var amount int64
+	err := p.db.QueryRowContext(ctx, `SELECT charge_id, amount_cents FROM processor_refunds WHERE refund_id = ?`,
+		refundID).Scan(&chargeID, &amount)
+	if errors.Is(err, sql.ErrNoRows) {
+		return "", 0, errNoSuchRefund
+	}
+	if err != nil {
+		return "", 0, fmt.Errorf("processor: read refund %s: %w", refundID, err)
+	}
+	return chargeID, amount, nil
+}
+
 // loseResponse returns errProcessorTimeout when the answer to a call that
 // did its work is lost on the way back: always when lose is set, and
 // whenever the fault hook fires at faultProcessorLoseResponse.

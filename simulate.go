@@ -107,6 +107,7 @@ type simAction struct {
 	request  *simRequest
 	recorder *httptest.ResponseRecorder
 	result   string
+	err      error
 }
 
 // simClient is a virtual API client: one user, with the requests it has
@@ -287,13 +288,13 @@ func (s *simulation) run(ctx context.Context) error {
 func (s *simulation) oneStep(ctx context.Context) error {
 	roll := s.rng.IntN(100)
 	switch {
-	case roll < 30 && len(s.actions) > 0:
+	case roll < 25 && len(s.actions) > 0:
 		return s.resume(ctx, pick(s, s.actions))
-	case roll < 55:
+	case roll < 50:
 		return s.clientRequest(ctx)
-	case roll < 85:
+	case roll < 88:
 		return s.workerPass(ctx)
-	case roll < 93:
+	case roll < 95:
 		s.jumpClock()
 		return nil
 	default:
@@ -306,9 +307,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 func (s *simulation) jumpClock() {
 	var d time.Duration
 	switch roll := s.rng.IntN(100); {
-	case roll < 60:
+	case roll < 50:
 		d = time.Duration(1+s.rng.IntN(3000)) * time.Millisecond
-	case roll < 95:
+	case roll < 85:
 		d = s.app.leases.refundLock + time.Duration(s.rng.IntN(60))*time.Second
 	default:
 		d = idempotencyKeyTTL + time.Duration(1+s.rng.IntN(60))*time.Minute
@@ -359,6 +360,11 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			s.report.Counts.Crashes++
 			return errCrash
 		}
+		return nil
+	}
+	// Mostly the process just goes on; sometimes it is held here while
+	// others run (and the clock may pass its leases).
+	if !s.chance(0.25) {
 		return nil
 	}
 	action.waitingAt = point
@@ -413,6 +419,11 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 		return s.answered(ctx, action)
 	}
 	s.tracef("a%d %s %s: %s", action.id, action.process.name, action.what, action.result)
+	if action.err != nil && !action.crashed {
+		// A worker pass reports only what it could not handle: a bug, or
+		// a database failure, and the simulator injects no outage.
+		return s.fail("%s %s failed: %v", action.process.name, action.what, action.err)
+	}
 	return nil
 }
 
@@ -426,6 +437,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 		return s.start(ctx, action, func(ctx context.Context) {
 			n, err := s.app.relayOnce(ctx, process.name, 4)
 			action.result = workerResult(n, "published", err)
+			action.err = err
 		})
 	}
 	consumers := s.app.consumers()
@@ -436,24 +448,28 @@ func (s *simulation) workerPass(ctx context.Context) error {
 		return s.start(ctx, action, func(ctx context.Context) {
 			results, err := s.app.consumeOnce(ctx, c, 4)
 			action.result = workerResult(len(results), "handled", err)
+			action.err = err
 		})
 	case 2:
 		action.what = "sagaOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
 			n, err := s.app.sagaOnce(ctx, process.name, 2)
 			action.result = workerResult(n, "sagas run", err)
+			action.err = err
 		})
 	case 3:
 		action.what = "completeRefundsOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
 			n, err := s.app.completeRefundsOnce(ctx, 4)
 			action.result = workerResult(n, "refunds finished", err)
+			action.err = err
 		})
 	default:
 		action.what = "cleanupOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
 			result, err := s.app.cleanupOnce(ctx)
 			action.result = workerResult(result.Keys, "keys deleted", err)
+			action.err = err
 		})
 	}
 }
@@ -477,7 +493,13 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	case roll < 35 || len(client.requests) == 0:
 		req = s.newCreate(client)
 	case roll < 60:
-		req = pick(s, client.requests)
+		// Mostly one of the last few: a client retries what just timed
+		// out, or what it sent before its process restarted.
+		recent := client.requests
+		if len(recent) > 3 && s.chance(0.7) {
+			recent = recent[len(recent)-3:]
+		}
+		req = pick(s, recent)
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
 		req = s.newRefund(client, pick(s, client.orders))
@@ -635,8 +657,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	}
 	// Once a request has its answer, the same request (same key, same body)
 	// gets that answer again, byte for byte, while the key lives: a day from
-	// the answer at least.
-	if definitive(answer) {
+	// the answer at least. (A webhook has no key: its redelivery is
+	// answered "duplicate".)
+	if definitive(answer) && req.kind != "webhook" {
 		for _, earlier := range req.answers[:len(req.answers)-1] {
 			if definitive(earlier) && earlier.body != answer.body && answer.at.Sub(earlier.at) < idempotencyKeyTTL {
 				return s.fail("%s key %s of %s answered differently within a day:\n  %d %s\n  %d %s",

@@ -170,17 +170,59 @@ func (s *server) handleProcessorWebhook(w http.ResponseWriter, r *http.Request) 
 }
 
 // receiveProcessorEvent applies a processor event through the inbox.
+//
+// A charge.refunded event is checked against the processor first: its
+// signature says who sent it, not that every field is what the processor
+// did, so, as Stripe advises, the refund it names is retrieved from the
+// processor and must match. That is a call to another system, so it runs
+// before the inbox transaction; an event that does not match becomes
+// poison there, with the reason, unless it fails an earlier check first.
 func (a *App) receiveProcessorEvent(ctx context.Context, event processorEvent) (receiveResult, error) {
+	var mismatch error
+	if event.Type == "charge.refunded" {
+		var err error
+		if mismatch, err = a.verifyChargeRefunded(ctx, event); err != nil {
+			return receiveResult{}, err
+		}
+	}
 	return a.receive(ctx, webhookConsumer, event.ID, 1, func(tx *sql.Tx) error {
 		switch event.Type {
 		case "charge.refunded":
-			return a.applyChargeRefunded(ctx, tx, event)
+			return a.applyChargeRefunded(ctx, tx, event, mismatch)
 		default:
 			// Processors send many event types; one we do not use is
 			// recorded and acknowledged, not an error.
 			return nil
 		}
 	})
+}
+
+// verifyChargeRefunded asks the processor for the refund that event names.
+// It returns a permanent error (the event's poison reason) if the processor
+// made no such refund, or made it of another charge or amount; nil if they
+// match or if the event's data is malformed (applyChargeRefunded says how).
+// Its own error is for a processor that could not answer.
+//
+// Without it, a signed event with a made-up refund of a plausible amount
+// was counted: arriving while the order still looked unrefunded, it was
+// within what remained, and the refund the processor really made, arriving
+// later, was then refused as too large.
+func (a *App) verifyChargeRefunded(ctx context.Context, event processorEvent) (error, error) {
+	var data chargeRefundedData
+	if len(event.Data) == 0 || decodeStrict(event.Data, &data) != nil || data.RefundID == "" || data.AmountCents == nil {
+		return nil, nil
+	}
+	chargeID, amount, err := a.processor.lookupRefund(ctx, data.RefundID)
+	switch {
+	case errors.Is(err, errNoSuchRefund):
+		return permanent(fmt.Errorf("charge.refunded names refund %s, which the processor never made", data.RefundID)), nil
+	case err != nil:
+		return nil, err
+	case chargeID != data.ChargeID || amount != *data.AmountCents:
+		return permanent(fmt.Errorf("charge.refunded says refund %s is %d of charge %s; the processor says %d of charge %s",
+			data.RefundID, *data.AmountCents, data.ChargeID, amount, chargeID)), nil
+	}
+	return nil, nil
 }
 
 // applyChargeRefunded records a refund the processor made. A refund our own
@@ -198,7 +240,10 @@ func (a *App) receiveProcessorEvent(ctx context.Context, event processorEvent) (
 //
 // Returns a permanent error for an event that can never apply, and
 // errPaymentNotRecorded or errRefundInFlight for one that came too early.
-func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event processorEvent) error {
+//
+// unconfirmed is what verifyChargeRefunded found (nil if the processor
+// confirmed the refund): checked last, right before the refund is counted.
+func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event processorEvent, unconfirmed error) error {
 	if len(event.Data) == 0 {
 		return permanent(errors.New("charge.refunded has no data"))
 	}
@@ -259,6 +304,9 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 	remaining := order.AmountCents - order.RefundedCents
 	if amount > remaining {
 		return permanent(fmt.Errorf("charge.refunded of %d exceeds the %d that remains of charge %s", amount, remaining, data.ChargeID))
+	}
+	if unconfirmed != nil {
+		return unconfirmed
 	}
 	now := a.now()
 	_, err = tx.ExecContext(ctx, `

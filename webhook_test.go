@@ -158,6 +158,35 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		}
 	})
 
+	// Ensure a signed event counts only a refund the processor confirms it
+	// made, of that charge and amount. The simulator found the hole: an
+	// event for a made-up refund, within what the order still had, was
+	// counted; the refund the processor really made came later and was
+	// refused as too large, so the order said 5000 refunded while the
+	// processor had refunded 1.
+	t.Run("OnlyRefundsTheProcessorConfirmsAreCounted", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID, chargeID := paidOrderOf(t, env, ts, keyUser42, "order-key", 5000)
+		real := dashboardRefund(t, env, "dashboard-1", chargeID, 1)
+		for _, tt := range []struct{ name, refundID, amount, reason string }{
+			{"MadeUp", "re_made_up", "5000", "never made"},
+			{"WrongAmount", real, "4000", "the processor says 1 of charge " + chargeID},
+		} {
+			got, reply := postSigned(t, env, ts, refundedEvent("evt_"+tt.name, chargeID, tt.refundID, tt.amount))
+			if got.Status != 200 || reply.Outcome != inboxPoison || !strings.Contains(reply.Error, tt.reason) {
+				t.Fatalf("%s: got %d %s, want poison (%q)", tt.name, got.Status, got.Body, tt.reason)
+			}
+		}
+		if _, reply := postSigned(t, env, ts, refundedEvent("evt_real", chargeID, real, "1")); reply.Outcome != inboxApplied {
+			t.Fatalf("the real refund's event got %+v, want applied", reply)
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1" {
+			t.Fatalf("order %s, want paid:1", got)
+		}
+		requireOrderSound(t, env, ts, keyUser42, orderID)
+	})
+
 	// Ensure an event for a charge nobody knows is poison and changes
 	// nothing.
 	t.Run("UnknownChargeIsPoison", func(t *testing.T) {

@@ -1,0 +1,191 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// mutationsEnv names the variable that runs TestMutations: how many seeds
+// the simulator may take to find each mutation. Each mutant is built from
+// scratch, so it takes minutes; CI sets it.
+const mutationsEnv = "RETRYSAFE_MUTATIONS"
+
+// mutation puts one fault back: a fix of retrysafe's own, or a flaw of the
+// article's sample where that is a small, local change. Each edit replaces
+// old with new in file, and old must occur exactly once, so a mutation
+// whose code has moved on fails loudly instead of testing nothing.
+type mutation struct {
+	name  string
+	fault string // what it puts back, as the README's flaw tables name it
+	edits []mutationEdit
+}
+
+// mutationEdit is one textual change of a mutation.
+type mutationEdit struct {
+	file, old, new string
+}
+
+// mutations returns every mutation the simulator must find.
+func mutations() []mutation {
+	return []mutation{
+		{
+			name:  "SagaWritesUnfenced",
+			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
+			edits: []mutationEdit{
+				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// renewSagaLease", "\t_ = updated\n\treturn nil\n}\n\n// renewSagaLease"},
+				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
+				{"saga.go", "\treturn oneRowOr(advanced, errSagaLeaseLost)", "\t_ = advanced\n\treturn nil"},
+				{"saga.go", "\t\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\t\treturn err\n\t\t}", "\t\t_ = failed"},
+				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\t\tsagaCompensating,", "WHERE saga_id = ? AND status = ? AND ? >= 0`,\n\t\t\tsagaCompensating,"},
+				{"saga.go", "\t\treturn oneRowOr(turned, errSagaLeaseLost)", "\t\t_ = turned\n\t\treturn nil"},
+			},
+		},
+		{
+			name:  "ExpiredRefundKeyRunsAgain",
+			fault: "retrysafe fault 2: a refund key reused after it expired answers 500 for ever",
+			edits: []mutationEdit{
+				{"refund.go", "\t\tcase err == nil:\n\t\t\treturn refuse(expiredRefundKeyProblem(", "\t\tcase err == nil && false:\n\t\t\treturn refuse(expiredRefundKeyProblem("},
+			},
+		},
+		{
+			name:  "KeyExpiresADayAfterItsClaim",
+			fault: "retrysafe fault 3: a refund that finishes after its key's expiry loses its answer",
+			edits: []mutationEdit{
+				{"idem.go", "response_location = ?, expires_at = ?", "response_location = ?, expires_at = COALESCE(expires_at, ?)"},
+			},
+		},
+		{
+			name:  "AmbiguousNamesAccepted",
+			fault: "retrysafe fault 4: two different requests share one fingerprint",
+			edits: []mutationEdit{
+				{"orders.go", "func checkNames(body []byte, shape reflect.Type) error {\n", "func checkNames(body []byte, shape reflect.Type) error {\n\tif true {\n\t\treturn nil\n\t}\n"},
+			},
+		},
+		{
+			name:  "WebhookAmountUnchecked",
+			fault: "retrysafe fault 7: a signed charge.refunded can set any amount",
+			edits: []mutationEdit{
+				{"webhook.go", "\tif amount > remaining {", "\tif false && amount > remaining {"},
+			},
+		},
+		{
+			name:  "EarlyRefundEventIsPoison",
+			fault: "retrysafe: a refund of a charge the saga has not recorded yet is lost as poison",
+			edits: []mutationEdit{
+				{"webhook.go", "\tif charged {\n\t\treturn orderRow{}, errPaymentNotRecorded", "\tif charged && false {\n\t\treturn orderRow{}, errPaymentNotRecorded"},
+				{"webhook.go", "\t\tcase err == nil && status == orderCreated:", "\t\tcase err == nil && status == orderCreated && false:"},
+			},
+		},
+		{
+			name:  "UnconfirmedRefundCounted",
+			fault: "retrysafe: a signed event for a refund the processor never made is counted",
+			edits: []mutationEdit{
+				{"webhook.go", "\tif unconfirmed != nil {\n\t\treturn unconfirmed\n\t}", "\t_ = unconfirmed"},
+			},
+		},
+		{
+			name:  "ExpiresAtNotRead",
+			fault: "sample flaw 4: it wrote expires_at and never read it",
+			edits: []mutationEdit{
+				{"idem.go", "if key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {", "if false && key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {"},
+			},
+		},
+		{
+			name:  "StepsInsertedAsDone",
+			fault: "sample flaw 6: it inserted all saga steps as done up front",
+			edits: []mutationEdit{
+				{"saga.go", "args = append(args, sagaID, index, name, stepPending)", "args = append(args, sagaID, index, name, stepDone)"},
+			},
+		},
+		{
+			name:  "NoOrderCancelled",
+			fault: "sample flaw 8: it left the order as it was after compensating",
+			edits: []mutationEdit{
+				{"saga.go", "\t\treturn insertOutboxEvent(ctx, tx, orderCancelled, now)", "\t\t_ = orderCancelled\n\t\treturn nil"},
+			},
+		},
+		{
+			name:  "PaymentCapturedNotConsumed",
+			fault: "sample flaw 11: it wrote PaymentCaptured and nobody consumed it",
+			edits: []mutationEdit{
+				{"inbox.go", "subjects: []string{eventPaymentCaptured, eventOrderCancelled}", "subjects: []string{eventOrderCancelled}"},
+			},
+		},
+		{
+			name:  "ChargeKeyPerAttempt",
+			fault: "sample: a processor key that differs per attempt (the charge is made again after a lost response)",
+			edits: []mutationEdit{
+				{"saga.go", "\treturn sagaID + \":\" + stepChargeCard\n}", "\treturn sagaID + \":\" + stepChargeCard + \":\" + time.Now().String()\n}"},
+			},
+		},
+	}
+}
+
+// simulateFailure matches the error simulate prints when a seed fails.
+var simulateFailure = regexp.MustCompile(`seed (\d+) failed at step (\d+): (.*)`)
+
+// Ensure the simulator finds each fault when it is put back: a simulator
+// that passes with a known fault in place would pass with an unknown one
+// too. Each mutant is a copy of the source with the mutation's edits,
+// built and run with `simulate --seeds N`; it must fail, and the test logs
+// the seed and step that found it.
+func TestMutations(t *testing.T) {
+	setting := os.Getenv(mutationsEnv)
+	if setting == "" {
+		t.Skipf("set %s=<seeds> to build each mutant and run the simulator on it (minutes)", mutationsEnv)
+	}
+	seeds, err := strconv.Atoi(setting)
+	if err != nil || seeds < 1 {
+		t.Fatalf("%s=%q: want a number of seeds", mutationsEnv, setting)
+	}
+	sources, err := filepath.Glob("*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range mutations() {
+		t.Run(m.name, func(t *testing.T) {
+			dir := t.TempDir()
+			for _, name := range sources {
+				if strings.HasSuffix(name, "_test.go") || !(strings.HasSuffix(name, ".go") || strings.HasSuffix(name, ".sql") || name == "go.mod" || name == "go.sum") {
+					continue
+				}
+				data, err := os.ReadFile(name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, edit := range m.edits {
+					if edit.file != name {
+						continue
+					}
+					if n := strings.Count(string(data), edit.old); n != 1 {
+						t.Fatalf("%s: the code to put back occurs %d times in %s, want once: %q", m.name, n, name, edit.old)
+					}
+					data = []byte(strings.Replace(string(data), edit.old, edit.new, 1))
+				}
+				if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			binary := filepath.Join(dir, "retrysafe")
+			build := exec.Command("go", "build", "-o", binary, ".")
+			build.Dir = dir
+			if out, err := build.CombinedOutput(); err != nil {
+				t.Fatalf("build the mutant: %v\n%s", err, out)
+			}
+			out, err := exec.Command(binary, "simulate", "--seeds", strconv.Itoa(seeds)).CombinedOutput()
+			if err == nil {
+				t.Fatalf("%s: the simulator found nothing in %d seeds", m.fault, seeds)
+			}
+			found := simulateFailure.FindStringSubmatch(string(out))
+			if found == nil {
+				t.Fatalf("the mutant failed without a simulator failure: %v\n%s", err, out)
+			}
+			t.Logf("%s: found at seed %s, step %s: %s", m.fault, found[1], found[2], shorten(found[3], 160))
+		})
+	}
+}
