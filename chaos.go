@@ -499,17 +499,21 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	<-progressDone
 	report.Kills = int(kills.Load())
 	report.Faults.ClockJumps = clock.jumpCount()
-	if ctx.Err() != nil {
-		return report, fmt.Errorf("the run did not finish within %s", cfg.Duration)
-	}
 
-	// Every process is up again; wait until the system is quiet.
-	if err := waitQuiet(ctx, cfg.DBPath); err != nil {
-		return report, err
+	// Every process is up again; wait until the system is quiet. A run
+	// that is stuck (a lost message leaves an order unpaid for ever) is
+	// still audited: what is stuck, and every answer so far, is the finding.
+	runErr := ctx.Err()
+	if runErr != nil {
+		runErr = fmt.Errorf("the load did not finish within %s", cfg.Duration)
+	} else {
+		runErr = waitQuiet(ctx, cfg.DBPath)
 	}
 	for _, p := range processes {
 		p.stop()
 	}
+	auditCtx, cancelAudit := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancelAudit()
 
 	c := run.c
 	report.Requests, report.Retries, report.Replays = c.requests.Load(), c.retries.Load(), c.replays.Load()
@@ -521,12 +525,14 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	report.WebhookPoison, report.WebhookRejected = c.webhookPoison.Load(), c.webhookRejected.Load()
 	report.HostileBodies, report.KeyRaces = c.hostileBodies.Load(), c.keyRaces.Load()
 	report.ReusedCreates, report.ReusedRefunds = c.reusedCreates.Load(), c.reusedRefunds.Load()
-	report.ClientViolations = run.violations
-	if err := auditChaos(ctx, cfg.DBPath, clock.now(), orders, run, &report); err != nil {
-		return report, err
+	run.mu.Lock()
+	report.ClientViolations = append([]string(nil), run.violations...)
+	run.mu.Unlock()
+	if err := auditChaos(auditCtx, cfg.DBPath, clock.now(), orders, run, &report); err != nil {
+		return report, errors.Join(runErr, err)
 	}
 	report.Elapsed = time.Since(start)
-	return report, nil
+	return report, runErr
 }
 
 // chaosReusePerJump is how many clients come back after a clock jump with
@@ -601,7 +607,8 @@ func waitHealthy(ctx context.Context, client *http.Client, base string) error {
 }
 
 // waitQuiet waits until no work is left: every event published and
-// delivered, every saga terminal, every key finished.
+// delivered, every saga terminal, every key finished. If that does not
+// happen in time, it says what is left.
 func waitQuiet(ctx context.Context, path string) error {
 	db, err := openReadOnlyDB(ctx, path)
 	if err != nil {
@@ -609,18 +616,17 @@ func waitQuiet(ctx context.Context, path string) error {
 	}
 	defer db.Close()
 	quietFor := 0
+	var outbox, deliveries, sagas, keys, unpaid int
 	for {
-		var pending int
 		err := db.QueryRowContext(ctx, `
-			SELECT (SELECT COUNT(*) FROM outbox_events WHERE status = 'pending')
-			     + (SELECT COUNT(*) FROM broker_deliveries WHERE status = 'pending')
-			     + (SELECT COUNT(*) FROM saga_instances WHERE status IN ('in_progress', 'compensating'))
-			     + (SELECT COUNT(*) FROM idempotency_keys WHERE recovery_point <> 'finished')
-			     + (SELECT COUNT(*) FROM orders WHERE status = 'created')`).Scan(&pending)
+			SELECT (SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'),
+			       (SELECT COUNT(*) FROM broker_deliveries WHERE status = 'pending'),
+			       (SELECT COUNT(*) FROM saga_instances WHERE status IN ('in_progress', 'compensating')),
+			       (SELECT COUNT(*) FROM idempotency_keys WHERE recovery_point <> 'finished'),
+			       (SELECT COUNT(*) FROM orders WHERE status = 'created')`).Scan(&outbox, &deliveries, &sagas, &keys, &unpaid)
 		switch {
 		case err != nil && ctx.Err() != nil:
-			return errors.New("the system did not become quiet in time")
-		case err == nil && pending == 0:
+		case err == nil && outbox+deliveries+sagas+keys+unpaid == 0:
 			quietFor++
 			if quietFor == 3 {
 				return nil
@@ -630,7 +636,8 @@ func waitQuiet(ctx context.Context, path string) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("the system did not become quiet in time (%d things pending)", pending)
+			return fmt.Errorf("the system did not become quiet in time: %d events unpublished, %d deliveries pending, %d sagas running, %d keys unfinished, %d orders unpaid",
+				outbox, deliveries, sagas, keys, unpaid)
 		case <-time.After(200 * time.Millisecond):
 		}
 	}

@@ -195,6 +195,16 @@ func (r *chaosRun) post(ctx context.Context, client *http.Client, method, url, a
 // hold the run up.
 const chaosGiveUpOn5xx = 20 * time.Second
 
+// chaosGiveUp is how long a client waits for a definitive answer at all:
+// far longer than any fault lasts. A request still "in progress" or "payment
+// pending" after this is stuck, and the client says so instead of holding
+// the run up.
+const chaosGiveUp = 90 * time.Second
+
+// errNoDefinitiveAnswer is returned when a request got only transient
+// answers for chaosGiveUp.
+var errNoDefinitiveAnswer = errors.New("no definitive answer")
+
 // untilDefinitive sends a request with the same key until it gets an answer
 // that is not a transient failure, as a careful client does: a timeout (a
 // slow or paused serve) or a dropped connection makes it try the next
@@ -203,9 +213,14 @@ const chaosGiveUpOn5xx = 20 * time.Second
 // returned.
 func (r *chaosRun) untilDefinitive(ctx context.Context, serve int, method, path, apiKey, key, body string) (chaosAnswer, error) {
 	var firstServerError time.Time
+	began := time.Now()
+	var last chaosAnswer
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 {
 			r.c.retries.Add(1)
+			if time.Since(began) > chaosGiveUp {
+				return last, fmt.Errorf("%w in %s: the last was %d %s", errNoDefinitiveAnswer, chaosGiveUp, last.status, last.body)
+			}
 			select {
 			case <-ctx.Done():
 				return chaosAnswer{}, ctx.Err()
@@ -213,6 +228,7 @@ func (r *chaosRun) untilDefinitive(ctx context.Context, serve int, method, path,
 			}
 		}
 		answer, err := r.post(ctx, r.clientOf(serve), method, r.bases[serve%len(r.bases)]+path, apiKey, key, body, nil)
+		last = answer
 		switch {
 		case err != nil:
 			serve++
@@ -445,8 +461,14 @@ func (r *chaosRun) sendHostileCreate(ctx context.Context, order *chaosOrder) {
 }
 
 // waitSettled reads the order until its payment is settled, and returns it.
+// An order still unpaid after chaosGiveUp is stuck: a message was lost.
 func (r *chaosRun) waitSettled(ctx context.Context, order *chaosOrder) (orderView, error) {
+	began := time.Now()
 	for attempt := 0; ; attempt++ {
+		if time.Since(began) > chaosGiveUp {
+			r.violation("%s %s: order %s is still unpaid after %s", order.userID, order.key, order.gotOrderID, chaosGiveUp)
+			return orderView{}, errNoDefinitiveAnswer
+		}
 		req, err := http.NewRequestWithContext(ctx, "GET", r.bases[(order.index+attempt)%len(r.bases)]+"/api/orders/"+order.gotOrderID, nil)
 		if err != nil {
 			return orderView{}, err
@@ -532,9 +554,14 @@ func (r *chaosRun) sendWebhook(ctx context.Context, order *chaosOrder, event cha
 	r.c.webhooksSent.Add(1)
 	body := chargeRefundedEvent(event.eventID, event.chargeID, event.refundID, event.amount)
 	var firstServerError time.Time
+	began := time.Now()
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 {
 			r.c.retries.Add(1)
+			if time.Since(began) > chaosGiveUp {
+				r.violation("webhook %s (%s of %d) got no definitive answer in %s", event.eventID, event.refundID, event.amount, chaosGiveUp)
+				return
+			}
 			select {
 			case <-ctx.Done():
 				r.violation("webhook %s never got an answer", event.eventID)
