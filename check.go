@@ -31,6 +31,10 @@ type violation struct {
 	Detail    string `json:"detail"`
 }
 
+// failedEventsInvariant names the invariant that lists failed outbox
+// events and the orders they hold back; inspect prints it too.
+const failedEventsInvariant = "no outbox event has failed to publish"
+
 // invariants returns every invariant, its queries written for d.
 func invariants(d *dialect) []invariant {
 	respondedOrderID := d.jsonField("k.response_body", "order_id")
@@ -61,6 +65,38 @@ func invariants(d *dialect) []invariant {
 			       COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status = 'succeeded'), 0)
 			FROM orders o
 			WHERE o.refunded_cents <> COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status = 'succeeded'), 0)`},
+		{name: "an order's refunded amount is a whole number no larger than the order", query: `
+			SELECT order_id || ' refunded ' || refunded_cents || ' of ' || amount_cents
+			FROM orders
+			WHERE refunded_cents > amount_cents OR NOT ` + d.isInteger("refunded_cents")},
+		{name: "a saga's status agrees with its steps", query: `
+			SELECT s.saga_id || ' of order ' || s.order_id || ' is ' || s.status || ' with steps ' ||
+			       (SELECT string_agg(st.step_name || '=' || st.status, ' ' ORDER BY st.step_index)
+			        FROM saga_steps st WHERE st.saga_id = s.saga_id)
+			FROM saga_instances s
+			WHERE CASE s.status
+			      -- Every step ran.
+			      WHEN 'completed' THEN EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status <> 'done')
+			      -- Going forward: the steps that ran come first, nothing failed or was undone.
+			      WHEN 'in_progress' THEN EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status IN ('failed', 'compensated'))
+			                           OR EXISTS (SELECT 1 FROM saga_steps p JOIN saga_steps d ON d.saga_id = p.saga_id
+			                                      WHERE p.saga_id = s.saga_id AND p.status = 'pending' AND d.status = 'done' AND d.step_index > p.step_index)
+			      -- Going back: exactly one step failed, every step before it ran (and may be undone), none after it ran.
+			      ELSE (SELECT COUNT(*) FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status = 'failed') <> 1
+			           OR EXISTS (SELECT 1 FROM saga_steps st JOIN saga_steps f ON f.saga_id = st.saga_id AND f.status = 'failed'
+			                      WHERE st.saga_id = s.saga_id
+			                        AND ((st.step_index < f.step_index AND st.status NOT IN ('done', 'compensated'))
+			                          OR (st.step_index > f.step_index AND st.status <> 'pending')))
+			           -- Compensated: everything that ran is undone.
+			           OR (s.status = 'compensated' AND EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status = 'done'))
+			      END`},
+		{name: failedEventsInvariant, query: `
+			SELECT f.event_type || ' ' || f.event_id || ' of ' || f.aggregate_id || ' failed after ' || f.attempts ||
+			       ' attempts (' || COALESCE(f.last_error, 'no error recorded') || '); ' ||
+			       (SELECT COUNT(*) FROM outbox_events later
+			        WHERE later.aggregate_id = f.aggregate_id AND later.seq > f.seq AND later.status <> 'published') ||
+			       ' later events of ' || f.aggregate_id || ' wait behind it'
+			FROM outbox_events f WHERE f.status = 'failed'`},
 		{name: "no order is charged twice", query: `
 			SELECT order_id || ' was charged ' || COUNT(*) || ' times'
 			FROM processor_charges WHERE status = 'succeeded' GROUP BY order_id HAVING COUNT(*) > 1`},
@@ -137,30 +173,42 @@ func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]viol
 		if inv.settledOnly && !settled {
 			continue
 		}
-		var args []any
-		if inv.sinceRecent {
-			args = append(args, recent)
-		}
-		rows, err := db.QueryContext(ctx, inv.query, args...)
+		details, err := runInvariant(ctx, db, inv, recent)
 		if err != nil {
-			return nil, fmt.Errorf("check %q: %w", inv.name, err)
+			return nil, err
 		}
-		for rows.Next() {
-			var detail string
-			if err := rows.Scan(&detail); err != nil {
-				rows.Close()
-				return nil, fmt.Errorf("check %q: %w", inv.name, err)
-			}
+		for _, detail := range details {
 			violations = append(violations, violation{Invariant: inv.name, Detail: detail})
-		}
-		if err := rows.Close(); err != nil {
-			return nil, fmt.Errorf("check %q: %w", inv.name, err)
-		}
-		if err := rows.Err(); err != nil {
-			return nil, fmt.Errorf("check %q: %w", inv.name, err)
 		}
 	}
 	return violations, nil
+}
+
+// runInvariant runs one invariant's query and returns its violations'
+// details. recent is the oldest created_at that cleanup has certainly not
+// deleted (see sinceRecent).
+func runInvariant(ctx context.Context, db *sql.DB, inv invariant, recent string) ([]string, error) {
+	var args []any
+	if inv.sinceRecent {
+		args = append(args, recent)
+	}
+	rows, err := db.QueryContext(ctx, inv.query, args...)
+	if err != nil {
+		return nil, fmt.Errorf("check %q: %w", inv.name, err)
+	}
+	defer rows.Close()
+	var details []string
+	for rows.Next() {
+		var detail string
+		if err := rows.Scan(&detail); err != nil {
+			return nil, fmt.Errorf("check %q: %w", inv.name, err)
+		}
+		details = append(details, detail)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("check %q: %w", inv.name, err)
+	}
+	return details, nil
 }
 
 // printAudit writes the violations, or a line saying all invariants hold.

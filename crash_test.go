@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 // mustAudit fails the test if any invariant is violated.
@@ -64,7 +65,37 @@ func TestCheck(t *testing.T) {
 			"once quiet, every saga is terminal"},
 		{"PendingEvent", `UPDATE outbox_events SET status = 'pending' WHERE aggregate_id = :paid AND event_type = 'PaymentCaptured'`,
 			"once quiet, no event is left unpublished"},
+		{"SagaStepsDisagree", `UPDATE saga_steps SET status = 'compensated' WHERE step_index = 0 AND saga_id = (SELECT saga_id FROM saga_instances WHERE order_id = :paid)`,
+			"a saga's status agrees with its steps"},
+		{"SagaPulledBack", `UPDATE saga_instances SET status = 'in_progress' WHERE status = 'compensated'`,
+			"a saga's status agrees with its steps"},
+		{"RefundedBeyondTheOrder", `UPDATE orders SET refunded_cents = amount_cents + 1 WHERE order_id = :paid`,
+			"an order's refunded amount is a whole number no larger than the order"},
+		{"FailedEventHoldsBackItsOrder", `UPDATE outbox_events SET status = 'failed', last_error = 'broker down' WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
+			failedEventsInvariant},
 	}
+	// Ensure inspect says which order a failed event holds back, and how
+	// many of its events wait behind it: nothing but an operator releases
+	// them.
+	t.Run("InspectNamesTheOrderAFailedEventHoldsBack", func(t *testing.T) {
+		env, paid := settledEnv(t)
+		_, err := env.app.db.Exec(`
+			UPDATE outbox_events SET status = CASE event_type WHEN 'OrderCreated' THEN 'failed' ELSE 'pending' END,
+			       last_error = 'broker down', attempts = 10
+			WHERE aggregate_id = ?`, paid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		if err := inspect(context.Background(), env.app.db, &out, false); err != nil {
+			t.Fatal(err)
+		}
+		want := "failed after 10 attempts (broker down); 1 later events of " + paid + " wait behind it"
+		if !strings.Contains(out.String(), "ATTENTION: OrderCreated ") || !strings.Contains(out.String(), want) {
+			t.Fatalf("inspect says:\n%s\nwant an ATTENTION line ending %q", out.String(), want)
+		}
+	})
+
 	for _, tt := range tamperings {
 		t.Run("Reports"+tt.name, func(t *testing.T) {
 			env, paid := settledEnv(t)
@@ -103,6 +134,13 @@ func crashWorkload(t *testing.T, env *testEnv) {
 				env.clock.advance(env.app.leases.refundLock)
 				continue
 			}
+			if errors.Is(err, errKeyInProgress) {
+				// A refund whose key another process holds (it took the
+				// request over while this one was paused, and is paused
+				// itself): 409, and the client tries again after the lease.
+				env.clock.advance(env.app.leases.refundLock)
+				continue
+			}
 			if err != nil && !errors.Is(err, errProcessorTimeout) {
 				t.Fatalf("%s: %v", what, err)
 			}
@@ -136,9 +174,12 @@ func crashWorkload(t *testing.T, env *testEnv) {
 		"timeout":  orderBody(3000, "sku-2", 1, pmCardTimeout),
 		"rare":     orderBody(800, "sku-rare", 2, pmCardVisa),
 		"second":   orderBody(4000, "sku-1", 1, pmCardVisa),
+		// The last unit of sku-rare: workers racing for it must not
+		// both reserve it, nor one undo the other's reservation.
+		"lastunit": orderBody(600, "sku-rare", 1, pmCardVisa),
 	}
 	orderIDs := map[string]string{}
-	for _, name := range []string{"visa", "declined", "timeout", "rare", "second"} {
+	for _, name := range []string{"visa", "declined", "timeout", "rare", "second", "lastunit"} {
 		retry("create "+name, func() error {
 			req, order := newOrderRequest(t, "user-42", "key-"+name, bodies[name])
 			response, err := env.app.createOrder(ctx, req, order)
@@ -181,16 +222,164 @@ func TestCrashAtEveryFaultPoint(t *testing.T) {
 			if !fired {
 				t.Fatalf("the workload never reached %s", point)
 			}
-			mustAudit(t, env, true)
-			if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 5 {
-				t.Fatalf("got %d orders, want 5", got)
-			}
-			if got := env.str(t, `SELECT string_agg(status, ',' ORDER BY amount_cents) FROM orders`); got != "cancelled,cancelled,paid,paid,paid" {
-				t.Fatalf("order statuses by amount: %s", got)
-			}
-			if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {
-				t.Fatalf("got %d refunds, want 2", got)
-			}
+			mustHaveDoneTheWorkloadOnce(t, env)
 		})
 	}
+}
+
+// mustHaveDoneTheWorkloadOnce fails the test unless crashWorkload's orders
+// and refunds each happened once and every invariant holds.
+func mustHaveDoneTheWorkloadOnce(tb testing.TB, env *testEnv) {
+	tb.Helper()
+	mustAudit(tb, env, true)
+	if got := env.count(tb, `SELECT COUNT(*) FROM orders`); got != 6 {
+		tb.Fatalf("got %d orders, want 6", got)
+	}
+	if got := env.str(tb, `SELECT string_agg(status, ',' ORDER BY amount_cents) FROM orders`); got != "paid,cancelled,cancelled,paid,paid,paid" {
+		tb.Fatalf("order statuses by amount: %s", got)
+	}
+	if got := env.count(tb, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {
+		tb.Fatalf("got %d refunds, want 2", got)
+	}
+}
+
+// Ensure that for every registered fault point outside a transaction, and
+// for each time the workload passes it, a process paused there for longer
+// than every lease, while another process takes its work over, changes
+// nothing when it resumes with its stale view: every write it makes after
+// the pause is fenced. (The crash test above cannot see this: a crashed
+// process never comes back.) Two ways the other process acts:
+//   - TakenOver: it runs until there is nothing left to do, then the paused
+//     one resumes;
+//   - Interleaved: it runs until it reaches a fault point itself and is
+//     paused there; the first resumes and the workload runs to its end;
+//     then the second resumes, staler still.
+func TestPauseAtEveryFaultPoint(t *testing.T) {
+	// One run without faults counts how often the workload passes each
+	// point.
+	dry := MustOpenApp(t)
+	crashWorkload(t, dry)
+	for _, point := range allFaultPoints() {
+		if point.insideTransaction() {
+			continue
+		}
+		passes := min(dry.fault.hitCount(point), 4)
+		if passes == 0 {
+			t.Fatalf("the workload never reached %s", point)
+		}
+		for _, interleaved := range []bool{false, true} {
+			mode := "TakenOver"
+			if interleaved {
+				mode = "Interleaved"
+			}
+			for pass := 1; pass <= passes; pass++ {
+				t.Run(fmt.Sprintf("%s/%s/pass%d", point, mode, pass), func(t *testing.T) {
+					env := MustOpenApp(t)
+					other := &pausedProcess{env: env, worker: "worker-B"}
+					fired := false
+					env.fault.setCtx(func(ctx context.Context, p faultPoint, n int) error {
+						if workerOf(ctx) == other.worker {
+							return other.atFaultPoint(p)
+						}
+						if p != point || n != pass || fired {
+							return nil
+						}
+						fired = true
+						// Paused here past every lease; meanwhile the
+						// other process takes the work over.
+						env.clock.advance(env.app.leases.refundLock + time.Second)
+						if interleaved {
+							other.startUntilPaused(withWorker(ctx, other.worker))
+						} else {
+							other.runUntilQuiet(t, withWorker(ctx, other.worker))
+						}
+						return nil
+					})
+					crashWorkload(t, env)
+					if !fired {
+						t.Fatalf("the workload passed %s fewer than %d times", point, pass)
+					}
+					if err := other.resumeAndWait(); err != nil {
+						t.Fatalf("the other process: %v", err)
+					}
+					env.fault.setCtx(nil)
+					env.drain(t)
+					mustHaveDoneTheWorkloadOnce(t, env)
+				})
+			}
+		}
+	}
+}
+
+// pausedProcess is the second process of TestPauseAtEveryFaultPoint: a
+// worker under its own name, run on a goroutine of its own when it must be
+// paused halfway.
+type pausedProcess struct {
+	env    *testEnv
+	worker string
+
+	pauseAtNextPoint bool
+	paused, resume   chan struct{}
+	done             chan error
+}
+
+// runUntilQuiet runs every worker under p's name until a pass finds nothing
+// to do.
+func (p *pausedProcess) runUntilQuiet(tb testing.TB, ctx context.Context) {
+	tb.Helper()
+	for range 100 {
+		n, err := p.env.app.runWorkersOnce(ctx, p.worker)
+		if err != nil {
+			tb.Fatalf("%s: %v", p.worker, err)
+		}
+		if n == 0 {
+			return
+		}
+	}
+	tb.Fatalf("%s did not settle", p.worker)
+}
+
+// startUntilPaused starts p's workers on a goroutine and returns once they
+// are paused at a fault point outside a transaction (or have finished
+// without reaching one).
+func (p *pausedProcess) startUntilPaused(ctx context.Context) {
+	p.pauseAtNextPoint = true
+	p.paused, p.resume, p.done = make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		// Exits when the workers are quiet, after resumeAndWait.
+		var err error
+		for range 100 {
+			var n int
+			if n, err = p.env.app.runWorkersOnce(ctx, p.worker); err != nil || n == 0 {
+				break
+			}
+		}
+		p.done <- err
+	}()
+	select {
+	case <-p.paused:
+	case err := <-p.done:
+		p.done <- err
+	}
+}
+
+// atFaultPoint is the fault hook of p's workers: the first point outside a
+// transaction after startUntilPaused pauses them until resumeAndWait.
+func (p *pausedProcess) atFaultPoint(point faultPoint) error {
+	if !p.pauseAtNextPoint || point.insideTransaction() {
+		return nil
+	}
+	p.pauseAtNextPoint = false
+	close(p.paused)
+	<-p.resume
+	return nil
+}
+
+// resumeAndWait lets a paused p go on and returns what its workers returned.
+func (p *pausedProcess) resumeAndWait() error {
+	if p.done == nil {
+		return nil
+	}
+	close(p.resume)
+	return <-p.done
 }

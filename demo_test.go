@@ -80,7 +80,7 @@ func Example_demo() {
 	// -> 200 OK  Idempotent-Replayed: true
 	// ok: 1 refund of 2000 at the processor
 	// == Every effect happened once ==
-	// ok: all 19 invariants hold
+	// ok: all 22 invariants hold
 }
 
 func TestCommands(t *testing.T) {

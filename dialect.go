@@ -94,6 +94,11 @@ type dialect struct {
 	jsonField func(column, field string) string
 	// jsonArrayLength is the length of the JSON array in a TEXT column.
 	jsonArrayLength func(column string) string
+	// isInteger is a condition: an INTEGER column holds a whole number.
+	// SQLite stores whatever a statement computes, so a sum that overflows
+	// 64 bits silently becomes a REAL; a PostgreSQL BIGINT column raises an
+	// error instead, so there it always holds.
+	isInteger func(column string) string
 }
 
 // sqliteDialect is SQLite, the default.
@@ -114,6 +119,7 @@ func sqliteDialect() *dialect {
 			return fmt.Sprintf(`json_extract(CAST(%s AS TEXT), '$.%s')`, column, field)
 		},
 		jsonArrayLength: func(column string) string { return fmt.Sprintf(`json_array_length(%s)`, column) },
+		isInteger:       func(column string) string { return fmt.Sprintf(`typeof(%s) = 'integer'`, column) },
 	}
 }
 
@@ -150,6 +156,7 @@ func postgresDialect() *dialect {
 			return fmt.Sprintf(`convert_from(%s, 'UTF8')::jsonb ->> '%s'`, column, field)
 		},
 		jsonArrayLength: func(column string) string { return fmt.Sprintf(`jsonb_array_length(%s::jsonb)`, column) },
+		isInteger:       func(string) string { return `TRUE` },
 	}
 }
 

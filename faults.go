@@ -28,6 +28,10 @@ const (
 	// faultAfterEffect: the consumer's effect and inbox row are committed, the
 	// broker has not seen the ack.
 	faultAfterEffect faultPoint = "inbox.after_effect"
+	// faultBeforeStep: a saga worker has read the saga and is about to run
+	// its next step or compensation. A worker paused here acts on what it
+	// read, however long ago that was.
+	faultBeforeStep faultPoint = "saga.before_step"
 	// faultAfterStepEffect: a saga step's local effect is written, its record
 	// not yet (they share one transaction, so this rolls both back).
 	faultAfterStepEffect faultPoint = "saga.after_step_effect"
@@ -58,6 +62,7 @@ func allFaultPoints() []faultPoint {
 		faultPublish,
 		faultAfterPublish,
 		faultAfterEffect,
+		faultBeforeStep,
 		faultAfterStepEffect,
 		faultBeforeProcessorCall,
 		faultAfterProcessorCall,
@@ -65,6 +70,21 @@ func allFaultPoints() []faultPoint {
 		faultRefundStarted,
 		faultRefundAfterProcessor,
 		faultProcessorLoseResponse,
+	}
+}
+
+// insideTransaction reports whether point is reached while the process
+// holds a transaction open. On SQLite that transaction holds the database's
+// write lock, so a process paused there stops every other writer until it
+// goes on: nobody can take its work over meanwhile (for the others it is an
+// outage), and a harness that waited for another worker to act would wait
+// for ever. A crash there rolls the transaction back.
+func (point faultPoint) insideTransaction() bool {
+	switch point {
+	case faultAfterKeyClaim, faultAfterBusinessWrite, faultAfterStepEffect:
+		return true
+	default:
+		return false
 	}
 }
 

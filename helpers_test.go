@@ -41,13 +41,36 @@ type faultSwitch struct {
 	// decide, if set, is asked at every point instead: the Nth pass of a
 	// point is hits[point] after counting this one.
 	decide func(point faultPoint, pass int) error
+	// decideCtx is decide with the context of the code at the point, for
+	// tests that run two workers at once and tell them apart by a value
+	// in their contexts (see withWorker).
+	decideCtx func(ctx context.Context, point faultPoint, pass int) error
+}
+
+// workerKey is the context key withWorker sets.
+type workerKey struct{}
+
+// withWorker returns ctx marked as the context of the worker called name,
+// so a fault hook can pause one worker and not the other.
+func withWorker(ctx context.Context, name string) context.Context {
+	return context.WithValue(ctx, workerKey{}, name)
+}
+
+// workerOf returns the name withWorker gave ctx, or "".
+func workerOf(ctx context.Context) string {
+	name, _ := ctx.Value(workerKey{}).(string)
+	return name
 }
 
 // hook is the faultHook that the App calls.
 func (f *faultSwitch) hook(ctx context.Context, point faultPoint) error {
 	f.mu.Lock()
 	f.hits[point]++
-	pass, decide := f.hits[point], f.decide
+	pass, decide, decideCtx := f.hits[point], f.decide, f.decideCtx
+	if decideCtx != nil {
+		f.mu.Unlock()
+		return decideCtx(ctx, point, pass)
+	}
 	if decide == nil && point == f.point && f.remaining > 0 {
 		f.remaining--
 		f.mu.Unlock()
@@ -66,7 +89,7 @@ func (f *faultSwitch) hook(ctx context.Context, point faultPoint) error {
 func (f *faultSwitch) failAt(point faultPoint, err error, times int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.point, f.err, f.remaining, f.decide = point, err, times, nil
+	f.point, f.err, f.remaining, f.decide, f.decideCtx = point, err, times, nil, nil
 }
 
 // set makes decide choose what every point does.
@@ -74,6 +97,13 @@ func (f *faultSwitch) set(decide func(point faultPoint, pass int) error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.decide = decide
+}
+
+// setCtx is set for a decideCtx.
+func (f *faultSwitch) setCtx(decide func(ctx context.Context, point faultPoint, pass int) error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.decideCtx = decide
 }
 
 // crashAt makes the next pass of point crash.

@@ -25,6 +25,7 @@ var inspectedTables = []struct {
 	{"broker_messages", `SELECT seq, message_id, subject, duplicates FROM broker_messages ORDER BY seq`},
 	{"broker_deliveries", `SELECT d.subscriber, m.message_id, d.status, d.delivery_count FROM broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq ORDER BY d.message_seq, d.subscriber`},
 	{"inbox_messages", `SELECT consumer, message_id, status, delivery_count, error FROM inbox_messages ORDER BY processed_at, consumer`},
+	{"inbox_failures", `SELECT consumer, message_id, failures, last_error, last_failed_at FROM inbox_failures ORDER BY last_failed_at, consumer`},
 	{"saga_instances", `SELECT saga_id, order_id, status, current_step, attempts, failure_reason FROM saga_instances ORDER BY created_at`},
 	{"saga_steps", `SELECT saga_id, step_index, step_name, status, attempts, result FROM saga_steps ORDER BY saga_id, step_index`},
 	{"stock_items", `SELECT sku, available, reserved, sold, stocked FROM stock_items ORDER BY sku`},
@@ -111,12 +112,19 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, asJSON bool) error {
 		}
 		fmt.Fprintln(w)
 	}
-	var failed int
-	if err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`).Scan(&failed); err != nil {
-		return fmt.Errorf("count failed events: %w", err)
-	}
-	if failed > 0 {
-		fmt.Fprintf(w, "ATTENTION: %d outbox event(s) failed to publish; they are kept above with their last_error.\n", failed)
+	// A failed event holds back every later event of its order (the relay
+	// keeps an order's events in order), so say which orders wait.
+	for _, inv := range invariants(dialectOf(db)) {
+		if inv.name != failedEventsInvariant {
+			continue
+		}
+		details, err := runInvariant(ctx, db, inv, "")
+		if err != nil {
+			return err
+		}
+		for _, detail := range details {
+			fmt.Fprintf(w, "ATTENTION: %s\n", detail)
+		}
 	}
 	return nil
 }

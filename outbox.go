@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -85,6 +86,9 @@ type outboxEvent struct {
 	AggregateID string
 	Payload     []byte
 	Attempts    int
+	// LeaseToken is the event's lease_token after the relay's claim: the
+	// relay's marks take effect only while it still matches.
+	LeaseToken int64
 }
 
 // newOutboxEvent returns an event with a fresh event_id. The event_id is the
@@ -140,9 +144,10 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
 		events = nil
 		now := formatTime(a.now())
+		// lease_token + 1: each claim's fencing token (see markPublished).
 		rows, err := tx.QueryContext(ctx, `
 			UPDATE outbox_events
-			SET claimed_by = ?, claimed_until = ?
+			SET claimed_by = ?, claimed_until = ?, lease_token = lease_token + 1
 			WHERE seq IN (
 				SELECT e.seq FROM outbox_events e
 				WHERE e.status = 'pending'
@@ -155,7 +160,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 					  AND earlier.status <> 'published')
 				ORDER BY e.seq
 				LIMIT ? `+dialectOf(a.db).skipLocked+`)
-			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts`,
+			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts, lease_token`,
 			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
 		if err != nil {
 			return fmt.Errorf("claim outbox events: %w", err)
@@ -163,7 +168,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 		defer rows.Close()
 		for rows.Next() {
 			var event outboxEvent
-			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts); err != nil {
+			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken); err != nil {
 				return fmt.Errorf("scan outbox event: %w", err)
 			}
 			events = append(events, event)
@@ -221,21 +226,29 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 }
 
 // markPublished marks events published, in one statement for the batch.
-// An event whose lease this relay lost is left alone: the relay that took it
-// over publishes and marks it.
+// Each event is marked only under the claim this relay made (its seq and
+// lease token): a relay that was paused past its lease, while another relay
+// claimed the event, leaves it alone, and the relay that took it over
+// publishes and marks it. (A relay name is not enough to tell: a restarted
+// process may reuse it.)
 func (a *App) markPublished(ctx context.Context, relayID string, events []outboxEvent) error {
 	if len(events) == 0 {
 		return nil
 	}
-	args := make([]any, 0, len(events)+2)
+	claims := make([]string, len(events))
+	args := make([]any, 0, 2*len(events)+2)
 	args = append(args, formatTime(a.now()), relayID)
-	for _, event := range events {
-		args = append(args, event.Seq)
+	for i, event := range events {
+		// The casts type the parameters for PostgreSQL, which cannot infer
+		// them inside VALUES.
+		claims[i] = "(CAST(? AS BIGINT), CAST(? AS BIGINT))"
+		args = append(args, event.Seq, event.LeaseToken)
 	}
 	_, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
 		SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
-		WHERE status = 'pending' AND claimed_by = ? AND seq IN (`+placeholders(len(events))+`)`,
+		WHERE status = 'pending' AND claimed_by = ?
+		  AND (seq, lease_token) IN (VALUES `+strings.Join(claims, ", ")+`)`,
 		args...)
 	if err != nil {
 		return fmt.Errorf("mark %d outbox events published: %w", len(events), err)
@@ -244,7 +257,9 @@ func (a *App) markPublished(ctx context.Context, relayID string, events []outbox
 }
 
 // recordPublishFailure releases a failed event for a later attempt, or marks
-// it failed after maxPublishAttempts.
+// it failed after maxPublishAttempts. Only under this relay's claim: a stale
+// relay's failure must not count against (or fail) an event that another
+// relay has published or is publishing.
 func (a *App) recordPublishFailure(ctx context.Context, relayID string, event outboxEvent, publishErr error) error {
 	attempts := event.Attempts + 1
 	status := outboxPending
@@ -254,9 +269,9 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 	_, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
 		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?, claimed_by = NULL, claimed_until = NULL
-		WHERE event_id = ? AND status = 'pending' AND claimed_by = ?`,
+		WHERE event_id = ? AND status = 'pending' AND claimed_by = ? AND lease_token = ?`,
 		status, attempts, formatTime(a.now().Add(relayBackoff(attempts))), publishErr.Error(),
-		event.EventID, relayID)
+		event.EventID, relayID, event.LeaseToken)
 	if err != nil {
 		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
 	}

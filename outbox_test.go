@@ -178,6 +178,48 @@ func TestOutbox(t *testing.T) {
 			t.Fatalf("published %v, want [Step0 Step1 Step2]", got)
 		}
 	})
+
+	// Ensure a relay paused past its lease cannot fail an event that a
+	// relay under the same name (a restarted process) claimed since and is
+	// publishing. Relay A's publish fails after the pause, on the event's
+	// last allowed attempt; meanwhile B has published it and not yet marked
+	// it. Without the claim's token in A's update, A marked the published
+	// event failed, B's mark then matched nothing, and the event stayed
+	// failed, holding back every later event of its order.
+	t.Run("StaleRelayCannotFailAnEventAnotherPublished", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.db.Exec(`UPDATE outbox_events SET attempts = ?`, maxPublishAttempts-1); err != nil {
+			t.Fatal(err)
+		}
+		bPublished, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			switch {
+			case workerOf(ctx) == "A" && point == faultPublish:
+				env.clock.advance(env.app.leases.relay + time.Second)
+				go func() {
+					_, err := env.app.relayOnce(withWorker(ctx, "B"), "relay", relayBatchSize)
+					bDone <- err
+				}()
+				<-bPublished
+				return errors.New("broker connection reset")
+			case workerOf(ctx) == "B" && point == faultAfterPublish:
+				close(bPublished)
+				<-resumeB
+			}
+			return nil
+		})
+		if _, err := env.app.relayOnce(withWorker(ctx, "A"), "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		close(resumeB)
+		if err := <-bDone; err != nil {
+			t.Fatal(err)
+		}
+		if got := env.str(t, `SELECT status || ':' || attempts FROM outbox_events`); got != "published:9" {
+			t.Fatalf("event is %s, want published:9", got)
+		}
+	})
 }
 
 // insertEvent writes one outbox event for aggregateID in tx.

@@ -76,7 +76,22 @@ var (
 	// lease had passed); the transaction rolled back and the saga is
 	// re-read.
 	errStepNotPending = errors.New("saga step is no longer pending")
+	// errSagaLeaseLost: another worker claimed the saga since this one did
+	// (this one was paused or slow past sagaLease), or the saga is no longer
+	// in the status this worker read. The write that found out rolled back;
+	// the worker stops working on the saga without another write.
+	errSagaLeaseLost = errors.New("saga lease lost to another worker")
 )
+
+// sagaClaim is one worker's claim on one saga. Token is the saga's
+// lease_token after the claim: every claim adds one, so a worker whose
+// token no longer matches knows that someone claimed the saga after it, even
+// a process that reuses its worker name.
+type sagaClaim struct {
+	SagaID   string
+	WorkerID string
+	Token    int64
+}
 
 // sagaRow is a row of saga_instances.
 type sagaRow struct {
@@ -205,12 +220,13 @@ func sagaBackoff(attempts int) time.Duration {
 // recovery pass: a saga whose worker died is resumed, forward or backward,
 // once its lease passes. It returns how many sagas it ran.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
-	var sagaIDs []string
+	var leases []sagaClaim
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		sagaIDs = nil
+		leases = nil
 		now := a.now()
+		// lease_token + 1: the claim's fencing token (see sagaClaim).
 		rows, err := tx.QueryContext(ctx, `
-			UPDATE saga_instances SET locked_by = ?, locked_until = ?
+			UPDATE saga_instances SET locked_by = ?, locked_until = ?, lease_token = lease_token + 1
 			WHERE saga_id IN (
 				SELECT saga_id FROM saga_instances
 				WHERE status IN ('in_progress', 'compensating')
@@ -218,18 +234,18 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 				  AND (locked_until IS NULL OR locked_until <= ?)
 				ORDER BY next_attempt_at
 				LIMIT ? `+dialectOf(a.db).skipLocked+`)
-			RETURNING saga_id`,
+			RETURNING saga_id, lease_token`,
 			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
 		if err != nil {
 			return fmt.Errorf("claim sagas: %w", err)
 		}
 		defer rows.Close()
 		for rows.Next() {
-			var sagaID string
-			if err := rows.Scan(&sagaID); err != nil {
+			lease := sagaClaim{WorkerID: workerID}
+			if err := rows.Scan(&lease.SagaID, &lease.Token); err != nil {
 				return fmt.Errorf("scan saga id: %w", err)
 			}
-			sagaIDs = append(sagaIDs, sagaID)
+			leases = append(leases, lease)
 		}
 		return rows.Err()
 	})
@@ -237,30 +253,47 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 		return 0, err
 	}
 	var failures []error
-	for _, sagaID := range sagaIDs {
-		err := a.runSaga(ctx, sagaID, workerID)
-		if errors.Is(err, errCrash) {
+	for _, lease := range leases {
+		err := a.runSaga(ctx, lease)
+		switch {
+		case err == nil:
+		case errors.Is(err, errCrash):
 			return 0, err
-		}
-		if err != nil {
+		case errors.Is(err, errSagaLeaseLost):
+			// Another worker has the saga now (this one was slow, or the
+			// tail of this batch waited past its lease): leave it to them.
+		default:
 			// One saga failing (a bug, a broken row) must not hold up the
 			// others claimed with it: put it back for later, go on, and
 			// report it.
-			failures = append(failures, fmt.Errorf("saga %s: %w", sagaID, err))
-			if err := a.setSagaAside(ctx, sagaID, workerID, err); err != nil {
+			failures = append(failures, fmt.Errorf("saga %s: %w", lease.SagaID, err))
+			if err := a.setSagaAside(ctx, lease, err); err != nil && !errors.Is(err, errSagaLeaseLost) {
 				return 0, err
 			}
 		}
 	}
-	return len(sagaIDs), errors.Join(failures...)
+	return len(leases), errors.Join(failures...)
 }
 
-// runSaga drives one saga, that workerID has leased, until it is terminal or
-// must wait (a transient failure schedules the next attempt). Returns an
-// error only when the worker must stop (errCrash, or the database failing).
-func (a *App) runSaga(ctx context.Context, sagaID, workerID string) error {
+// runSaga drives one saga, under lease, until it is terminal or must wait
+// (a transient failure schedules the next attempt). Returns errSagaLeaseLost
+// as soon as a write finds that another worker claimed the saga since; any
+// other error only when the worker must stop (errCrash, or the database
+// failing).
+//
+// Every write below is fenced by lease.Token (fenceSaga, in the write's own
+// transaction), and a status only moves forward (in_progress -> completed,
+// or in_progress -> compensating -> compensated | compensation_failed): a
+// worker acting on what it read before a pause can neither record a step
+// over another worker's nor pull the saga back.
+func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
+	// A saga at the tail of a batch may have waited past the lease that
+	// claimed it: renew it, or find out it is gone, before any work.
+	if err := a.renewSagaLease(ctx, lease); err != nil {
+		return err
+	}
 	for {
-		saga, steps, err := readSaga(ctx, a.db, sagaID)
+		saga, steps, err := readSaga(ctx, a.db, lease.SagaID)
 		if err != nil {
 			return err
 		}
@@ -268,20 +301,23 @@ func (a *App) runSaga(ctx context.Context, sagaID, workerID string) error {
 		if err != nil {
 			return err
 		}
+		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+			return err
+		}
 		switch saga.Status {
 		case sagaInProgress:
 			step, ok := firstStepWith(steps, stepPending)
 			if !ok {
-				return fmt.Errorf("bug: saga %s in progress with no pending step", sagaID)
+				return fmt.Errorf("bug: saga %s in progress with no pending step", lease.SagaID)
 			}
-			err := a.runStep(ctx, saga, step, steps, order)
+			err := a.runStep(ctx, lease, saga, step, steps, order)
 			switch {
 			case err == nil, errors.Is(err, errStepNotPending):
 				continue
-			case errors.Is(err, errCrash):
+			case errors.Is(err, errCrash), errors.Is(err, errSagaLeaseLost):
 				return err
 			case isBusinessFailure(err):
-				if err := a.failStep(ctx, saga, step, err); err != nil {
+				if err := a.failStep(ctx, lease, saga, step, err); err != nil {
 					return err
 				}
 				continue
@@ -290,32 +326,32 @@ func (a *App) runSaga(ctx context.Context, sagaID, workerID string) error {
 				// charge that timed out may have happened, so giving up and
 				// compensating would need the charge's id we do not have;
 				// retrying with the same key is what finds it.
-				return a.scheduleRetry(ctx, saga, workerID, err, false)
+				return a.scheduleRetry(ctx, lease, saga, err, false)
 			}
 		case sagaCompensating:
 			step, ok := lastStepWith(steps, stepDone)
 			if !ok {
-				if err := a.finishCompensation(ctx, saga); err != nil {
+				if err := a.finishCompensation(ctx, lease, saga); err != nil {
 					return err
 				}
 				continue
 			}
-			err := a.compensateStep(ctx, saga, step, steps, order)
+			err := a.compensateStep(ctx, lease, saga, step, steps, order)
 			switch {
 			case err == nil, errors.Is(err, errStepNotPending):
 				if err := a.fault.at(ctx, faultMidCompensation); err != nil {
 					return err
 				}
 				continue
-			case errors.Is(err, errCrash):
+			case errors.Is(err, errCrash), errors.Is(err, errSagaLeaseLost):
 				return err
 			default:
 				// A compensation can fail too. Retry it, and after
 				// maxCompensationAttempts stop and leave it to an operator.
-				return a.scheduleRetry(ctx, saga, workerID, err, true)
+				return a.scheduleRetry(ctx, lease, saga, err, true)
 			}
 		case sagaCompleted, sagaCompensated, sagaCompensationFailed:
-			return a.releaseSaga(ctx, sagaID, workerID)
+			return a.releaseSaga(ctx, lease)
 		default:
 			return fmt.Errorf("bug: unhandled saga status %q", saga.Status)
 		}
@@ -364,20 +400,31 @@ func refundKey(sagaID string) string {
 	return sagaID + ":" + stepChargeCard + ":refund"
 }
 
-// runStep runs one pending forward step.
-func (a *App) runStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
+// runStep runs one pending forward step. Each local effect commits in one
+// transaction with the step's record, fenced by lease; the card is charged
+// outside any transaction (it is a call to another system), only while the
+// lease still holds, and with a key derived from the saga, so a second
+// worker that took the saga over asks for the same charge.
+func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
 	switch step.Name {
 	case stepReserveStock:
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			if err := reserveStock(ctx, tx, order, a.now()); err != nil {
+			now := a.now()
+			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+				return err
+			}
+			if err := reserveStock(ctx, tx, order, now); err != nil {
 				return err
 			}
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 				return err
 			}
-			return a.markStepDone(ctx, tx, saga, step, "")
+			return a.markStepDone(ctx, tx, lease, step, "", now)
 		})
 	case stepChargeCard:
+		if err := a.renewSagaLease(ctx, lease); err != nil {
+			return err
+		}
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
@@ -395,7 +442,11 @@ func (a *App) runStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps
 			return err
 		}
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			return a.markStepDone(ctx, tx, saga, step, chargeID)
+			now := a.now()
+			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+				return err
+			}
+			return a.markStepDone(ctx, tx, lease, step, chargeID, now)
 		})
 	case stepConfirm:
 		charge, ok := firstStepNamed(steps, stepChargeCard)
@@ -404,6 +455,9 @@ func (a *App) runStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps
 		}
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
+			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+				return err
+			}
 			if err := settleReservations(ctx, tx, order.OrderID, stockSold, now); err != nil {
 				return err
 			}
@@ -423,7 +477,7 @@ func (a *App) runStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 				return err
 			}
-			return a.markStepDone(ctx, tx, saga, step, "")
+			return a.markStepDone(ctx, tx, lease, step, "", now)
 		})
 	default:
 		return fmt.Errorf("bug: unhandled saga step %q", step.Name)
@@ -431,21 +485,28 @@ func (a *App) runStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps
 }
 
 // compensateStep undoes one done step. A local compensation commits with its
-// record; the refund is idempotent at the processor, so a crash between the
-// refund and its record refunds once on resume.
-func (a *App) compensateStep(ctx context.Context, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
+// record, fenced by lease; the refund is idempotent at the processor, so a
+// crash between the refund and its record refunds once on resume.
+func (a *App) compensateStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
 	switch step.Name {
 	case stepReserveStock:
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			if err := settleReservations(ctx, tx, order.OrderID, stockReleased, a.now()); err != nil {
+			now := a.now()
+			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+				return err
+			}
+			if err := settleReservations(ctx, tx, order.OrderID, stockReleased, now); err != nil {
 				return err
 			}
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 				return err
 			}
-			return a.markStepCompensated(ctx, tx, saga, step)
+			return a.markStepCompensated(ctx, tx, lease, step, now)
 		})
 	case stepChargeCard:
+		if err := a.renewSagaLease(ctx, lease); err != nil {
+			return err
+		}
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
@@ -456,7 +517,11 @@ func (a *App) compensateStep(ctx context.Context, saga sagaRow, step sagaStepRow
 			return err
 		}
 		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			return a.markStepCompensated(ctx, tx, saga, step)
+			now := a.now()
+			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+				return err
+			}
+			return a.markStepCompensated(ctx, tx, lease, step, now)
 		})
 	case stepConfirm:
 		// confirm is the last step: once it is done the saga is completed
@@ -477,21 +542,62 @@ func firstStepNamed(steps []sagaStepRow, name string) (sagaStepRow, bool) {
 	return sagaStepRow{}, false
 }
 
+// fenceSaga is the first statement of every transaction that writes for a
+// saga: it renews lease and returns errSagaLeaseLost unless lease is still
+// the saga's latest claim. The UPDATE takes the saga row's write lock (the
+// database's write lock on SQLite), so no other worker can claim the saga
+// between this check and the transaction's commit: the check stays true for
+// every write that follows it in tx.
+func (a *App) fenceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, now time.Time) error {
+	updated, err := tx.ExecContext(ctx, `
+		UPDATE saga_instances SET locked_until = ?
+		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
+		formatTime(now.Add(a.leases.saga)), lease.SagaID, lease.WorkerID, lease.Token)
+	if err != nil {
+		return fmt.Errorf("renew lease of saga %s: %w", lease.SagaID, err)
+	}
+	return oneRowOr(updated, errSagaLeaseLost)
+}
+
+// renewSagaLease renews lease in a transaction of its own, before work that
+// runs outside any transaction (a processor call) or after a wait. Returns
+// errSagaLeaseLost if another worker claimed the saga meanwhile.
+func (a *App) renewSagaLease(ctx context.Context, lease sagaClaim) error {
+	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		return a.fenceSaga(ctx, tx, lease, a.now())
+	})
+}
+
+// oneRowOr returns notMatched unless result changed exactly one row: the
+// way a fenced or conditional write finds out that its condition no longer
+// held.
+func oneRowOr(result sql.Result, notMatched error) error {
+	n, err := result.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("rows affected: %w", err)
+	}
+	if n != 1 {
+		return notMatched
+	}
+	return nil
+}
+
 // markStepDone records step as done and moves the saga to the next step (or
-// completes it). It runs in the transaction of the step's effect; if another
-// worker recorded the step first it returns errStepNotPending, and the effect
-// rolls back with it.
-func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, saga sagaRow, step sagaStepRow, result string) error {
-	now := formatTime(a.now())
+// completes it), in the transaction of the step's effect, after fenceSaga.
+// If another worker recorded the step first it returns errStepNotPending,
+// and the effect rolls back with it; if the saga is no longer in progress
+// (another worker turned it to compensation) it returns errSagaLeaseLost:
+// a saga never moves back.
+func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) error {
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_steps SET status = ?, attempts = attempts + 1, result = ?, done_at = ?
 		WHERE saga_id = ? AND step_index = ? AND status = ?`,
-		stepDone, sql.NullString{String: result, Valid: result != ""}, now, saga.SagaID, step.Index, stepPending)
+		stepDone, sql.NullString{String: result, Valid: result != ""}, formatTime(now), lease.SagaID, step.Index, stepPending)
 	if err != nil {
 		return fmt.Errorf("mark step %s done: %w", step.Name, err)
 	}
-	if n, err := updated.RowsAffected(); err != nil || n != 1 {
-		return errStepNotPending
+	if err := oneRowOr(updated, errStepNotPending); err != nil {
+		return err
 	}
 	steps := fulfilmentSteps()
 	status, next := sagaInProgress, step.Name
@@ -500,74 +606,91 @@ func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, saga sagaRow, step s
 	} else {
 		status = sagaCompleted
 	}
-	_, err = tx.ExecContext(ctx, `
+	advanced, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances SET status = ?, current_step = ?, attempts = 0, last_error = NULL, updated_at = ?
-		WHERE saga_id = ?`, status, next, now, saga.SagaID)
+		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+		status, next, formatTime(now), lease.SagaID, sagaInProgress, lease.Token)
 	if err != nil {
 		return fmt.Errorf("advance saga: %w", err)
 	}
-	return nil
+	return oneRowOr(advanced, errSagaLeaseLost)
 }
 
 // markStepCompensated records that step was undone, in the transaction of
-// the compensation's effect. Returns errStepNotPending if it was already.
-func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, saga sagaRow, step sagaStepRow) error {
-	now := formatTime(a.now())
+// the compensation's effect, after fenceSaga. Returns errStepNotPending if
+// it was already, and errSagaLeaseLost if the saga is no longer
+// compensating.
+func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, now time.Time) error {
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_steps SET status = ?, compensated_at = ?
 		WHERE saga_id = ? AND step_index = ? AND status = ?`,
-		stepCompensated, now, saga.SagaID, step.Index, stepDone)
+		stepCompensated, formatTime(now), lease.SagaID, step.Index, stepDone)
 	if err != nil {
 		return fmt.Errorf("mark step %s compensated: %w", step.Name, err)
 	}
-	if n, err := updated.RowsAffected(); err != nil || n != 1 {
-		return errStepNotPending
+	if err := oneRowOr(updated, errStepNotPending); err != nil {
+		return err
 	}
-	_, err = tx.ExecContext(ctx, `
-		UPDATE saga_instances SET current_step = ?, attempts = 0, last_error = NULL, updated_at = ? WHERE saga_id = ?`,
-		step.Name, now, saga.SagaID)
+	recorded, err := tx.ExecContext(ctx, `
+		UPDATE saga_instances SET current_step = ?, attempts = 0, last_error = NULL, updated_at = ?
+		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+		step.Name, formatTime(now), lease.SagaID, sagaCompensating, lease.Token)
 	if err != nil {
 		return fmt.Errorf("record compensation: %w", err)
 	}
-	return nil
+	return oneRowOr(recorded, errSagaLeaseLost)
 }
 
 // failStep records that step failed for a business reason and turns the saga
-// to compensation.
-func (a *App) failStep(ctx context.Context, saga sagaRow, step sagaStepRow, cause error) error {
+// to compensation. Both writes must match, under the lease: a worker that
+// read "pending" before a pause and fails the step now (the stock it wanted
+// was taken, by the very worker that took its saga over) must not turn a
+// saga that moved on meanwhile to compensation.
+func (a *App) failStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, cause error) error {
 	return withTx(ctx, a.db, func(tx *sql.Tx) error {
-		now := formatTime(a.now())
-		_, err := tx.ExecContext(ctx, `
+		now := a.now()
+		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+			return err
+		}
+		failed, err := tx.ExecContext(ctx, `
 			UPDATE saga_steps SET status = ?, attempts = attempts + 1, error = ?
 			WHERE saga_id = ? AND step_index = ? AND status = ?`,
 			stepFailed, cause.Error(), saga.SagaID, step.Index, stepPending)
 		if err != nil {
 			return fmt.Errorf("mark step %s failed: %w", step.Name, err)
 		}
-		_, err = tx.ExecContext(ctx, `
+		if err := oneRowOr(failed, errSagaLeaseLost); err != nil {
+			return err
+		}
+		turned, err := tx.ExecContext(ctx, `
 			UPDATE saga_instances SET status = ?, failure_reason = ?, attempts = 0, updated_at = ?
-			WHERE saga_id = ? AND status = ?`,
-			sagaCompensating, cause.Error(), now, saga.SagaID, sagaInProgress)
+			WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+			sagaCompensating, cause.Error(), formatTime(now), saga.SagaID, sagaInProgress, lease.Token)
 		if err != nil {
 			return fmt.Errorf("start compensation: %w", err)
 		}
-		return nil
+		return oneRowOr(turned, errSagaLeaseLost)
 	})
 }
 
 // finishCompensation ends a saga whose done steps are all undone, and tells
-// the order service through the outbox that the order is cancelled.
-func (a *App) finishCompensation(ctx context.Context, saga sagaRow) error {
+// the order service through the outbox that the order is cancelled. Fenced:
+// OrderCancelled is written only by the worker that holds the saga.
+func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga sagaRow) error {
 	return withTx(ctx, a.db, func(tx *sql.Tx) error {
 		now := a.now()
+		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+			return err
+		}
 		updated, err := tx.ExecContext(ctx, `
-			UPDATE saga_instances SET status = ?, updated_at = ? WHERE saga_id = ? AND status = ?`,
-			sagaCompensated, formatTime(now), saga.SagaID, sagaCompensating)
+			UPDATE saga_instances SET status = ?, updated_at = ?
+			WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+			sagaCompensated, formatTime(now), saga.SagaID, sagaCompensating, lease.Token)
 		if err != nil {
 			return fmt.Errorf("finish compensation: %w", err)
 		}
-		if n, err := updated.RowsAffected(); err != nil || n != 1 {
-			return nil // another worker finished it
+		if err := oneRowOr(updated, errSagaLeaseLost); err != nil {
+			return err
 		}
 		orderCancelled, err := a.newOutboxEvent(eventOrderCancelled, saga.OrderID, orderCancelledPayload{
 			OrderID: saga.OrderID,
@@ -582,48 +705,53 @@ func (a *App) finishCompensation(ctx context.Context, saga sagaRow) error {
 
 // scheduleRetry records a transient failure and releases the saga until its
 // next attempt. For a compensation, the maxCompensationAttempts-th failure
-// makes the saga compensation_failed instead: an operator must look.
-func (a *App) scheduleRetry(ctx context.Context, saga sagaRow, workerID string, cause error, compensating bool) error {
+// makes the saga compensation_failed instead: an operator must look. Fenced,
+// and only from the status the worker read: a stale worker's failure is not
+// recorded (errSagaLeaseLost).
+func (a *App) scheduleRetry(ctx context.Context, lease sagaClaim, saga sagaRow, cause error, compensating bool) error {
 	attempts := saga.Attempts + 1
 	status := saga.Status
 	if compensating && attempts >= maxCompensationAttempts {
 		status = sagaCompensationFailed
 	}
 	now := a.now()
-	_, err := a.db.ExecContext(ctx, `
+	updated, err := a.db.ExecContext(ctx, `
 		UPDATE saga_instances
 		SET status = ?, attempts = ?, last_error = ?, next_attempt_at = ?, updated_at = ?,
 		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ?`,
+		WHERE saga_id = ? AND status = ? AND locked_by = ? AND lease_token = ?`,
 		status, attempts, cause.Error(), formatTime(now.Add(sagaBackoff(attempts))), formatTime(now),
-		saga.SagaID, workerID)
+		saga.SagaID, saga.Status, lease.WorkerID, lease.Token)
 	if err != nil {
 		return fmt.Errorf("schedule saga retry: %w", err)
 	}
-	return nil
+	return oneRowOr(updated, errSagaLeaseLost)
 }
 
 // setSagaAside releases a saga that failed unexpectedly and makes it due
-// again in a minute, its status unchanged.
-func (a *App) setSagaAside(ctx context.Context, sagaID, workerID string, cause error) error {
+// again in a minute, its status unchanged. Returns errSagaLeaseLost if
+// another worker holds it now.
+func (a *App) setSagaAside(ctx context.Context, lease sagaClaim, cause error) error {
 	now := a.now()
-	_, err := a.db.ExecContext(ctx, `
+	updated, err := a.db.ExecContext(ctx, `
 		UPDATE saga_instances
 		SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?, updated_at = ?,
 		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ?`,
-		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), sagaID, workerID)
+		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
+		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), lease.SagaID, lease.WorkerID, lease.Token)
 	if err != nil {
-		return fmt.Errorf("set saga %s aside: %w", sagaID, err)
+		return fmt.Errorf("set saga %s aside: %w", lease.SagaID, err)
 	}
-	return nil
+	return oneRowOr(updated, errSagaLeaseLost)
 }
 
-// releaseSaga gives up workerID's lease on a saga.
-func (a *App) releaseSaga(ctx context.Context, sagaID, workerID string) error {
+// releaseSaga gives up lease on a terminal saga. A lease already taken over
+// is left alone.
+func (a *App) releaseSaga(ctx context.Context, lease sagaClaim) error {
 	_, err := a.db.ExecContext(ctx, `
-		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL WHERE saga_id = ? AND locked_by = ?`,
-		sagaID, workerID)
+		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL
+		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
+		lease.SagaID, lease.WorkerID, lease.Token)
 	if err != nil {
 		return fmt.Errorf("release saga: %w", err)
 	}

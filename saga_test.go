@@ -6,7 +6,23 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
+
+// startSagas relays every pending event and lets the consumers apply them
+// once, so that new orders have their sagas, but runs no saga.
+func startSagas(tb testing.TB, env *testEnv) {
+	tb.Helper()
+	ctx := context.Background()
+	if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+		tb.Fatalf("relay: %v", err)
+	}
+	for _, c := range env.app.consumers() {
+		if _, err := env.app.consumeOnce(ctx, c, consumeBatchSize); err != nil {
+			tb.Fatalf("consume %s: %v", c.name, err)
+		}
+	}
+}
 
 // createAndDrain creates an order and runs every worker until quiet. It
 // returns the order id.
@@ -274,6 +290,65 @@ func TestSaga(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'paid'`); got != 1 {
 			t.Fatal("order not paid")
+		}
+	})
+
+	// Ensure a saga worker paused past its lease cannot undo the work of the
+	// worker that took its saga over. Worker A reads the saga (reserve_stock
+	// pending) and stalls; B claims it, reserves the last unit of sku-rare
+	// and stalls before charging; A resumes: its reserve finds no stock. Its
+	// writes are fenced by its lease, so it must stop there: no
+	// compensation, no OrderCancelled. B charges and confirms. Without
+	// fencing, A turned the saga to compensation, released B's reservation
+	// and cancelled the order, and B's charge was never refunded.
+	t.Run("StaleWorkerCannotUndoALiveOne", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-rare", 1, pmCardVisa)).Body, "order_id")
+		startSagas(t, env)
+
+		bReserved, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			if point != faultBeforeStep {
+				return nil
+			}
+			switch worker := workerOf(ctx); {
+			case worker == "A" && pass == 1:
+				// A has read "reserve_stock pending" and stalls past its
+				// lease; B takes the saga over meanwhile.
+				env.clock.advance(env.app.leases.saga + time.Second)
+				go func() {
+					_, err := env.app.sagaOnce(withWorker(ctx, "B"), "worker-B", sagaBatchSize)
+					bDone <- err
+				}()
+				<-bReserved
+			case worker == "B" && pass == 3:
+				// B has reserved the last unit and is about to charge: it
+				// stalls, and A resumes.
+				close(bReserved)
+				<-resumeB
+			}
+			return nil
+		})
+		_, errA := env.app.sagaOnce(withWorker(ctx, "A"), "worker-A", sagaBatchSize)
+		close(resumeB)
+		if errB := <-bDone; errA != nil || errB != nil {
+			t.Fatalf("worker A: %v, worker B: %v", errA, errB)
+		}
+		env.fault.setCtx(nil)
+		env.drain(t)
+
+		mustAudit(t, env, true)
+		if got := sagaSteps(t, env, orderID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(refunded_cents) FROM processor_charges WHERE status = 'succeeded'`); got != "1:0" {
+			t.Fatalf("charges:refunded = %s, want 1:0", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_type = 'OrderCancelled'`); got != 0 {
+			t.Fatalf("got %d OrderCancelled events, want none", got)
 		}
 	})
 }
