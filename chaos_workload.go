@@ -125,8 +125,9 @@ type chaosCounters struct {
 	rareOrders                                            atomic.Int64
 
 	mu sync.Mutex
-	// unavailableAt is when each 503 was answered, from the run's start.
-	unavailableAt []time.Duration
+	// unavailableAt and serverErrorAt are when each 503 and each other 5xx
+	// was answered, from the run's start.
+	unavailableAt, serverErrorAt []time.Duration
 }
 
 // chaosAnswer is one HTTP exchange.
@@ -185,6 +186,9 @@ func (r *chaosRun) post(ctx context.Context, client *http.Client, method, url, a
 		r.c.mu.Unlock()
 	case resp.StatusCode >= 500:
 		r.c.serverErrors.Add(1)
+		r.c.mu.Lock()
+		r.c.serverErrorAt = append(r.c.serverErrorAt, time.Since(r.start))
+		r.c.mu.Unlock()
 	}
 	return answer, nil
 }
@@ -722,9 +726,9 @@ func (r *chaosRun) auditWorkload(ctx context.Context, db *sql.DB) ([]string, err
 	return found, nil
 }
 
-// unavailableSummary says when the 503 answers came: how many fell in an
+// timesSummary says when answers came: how many fell in an
 // outage window (or within grace after one) and when the others came.
-func unavailableSummary(at []time.Duration, faults *chaosFaultCounts, grace time.Duration) (during, outside int, when string) {
+func timesSummary(at []time.Duration, faults *chaosFaultCounts, grace time.Duration) (during, outside int, when string) {
 	sort.Slice(at, func(i, j int) bool { return at[i] < at[j] })
 	var times []string
 	for _, t := range at {
