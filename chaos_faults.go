@@ -191,7 +191,7 @@ func runPauses(ctx context.Context, seed uint64, n int, processes []*chaosProces
 	busy := make([]bool, len(processes))
 	var mu sync.Mutex
 	slots := make(chan struct{}, 3)
-	counts.PauseLength = pauseLength(rand.New(rand.NewPCG(0, 0)), leases).Truncate(time.Second)
+	counts.PauseLength = leaseLongest(leases) + time.Second
 	for i := 0; i < n; i++ {
 		select {
 		case <-ctx.Done():
