@@ -95,7 +95,7 @@ func createThreeTransactions(ctx context.Context, app *App, req idempotentReques
 		return err
 	}
 	return withTx(ctx, app.db, func(tx *sql.Tx) error {
-		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, apiResponse{Status: 201, Body: []byte(`{}`)})
+		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, apiResponse{Status: 201, Body: []byte(`{}`)}, app.now())
 	})
 }
 

@@ -167,13 +167,58 @@ func invariants(d *dialect) []invariant {
 // audit runs every invariant against db (the settled ones only if settled)
 // and returns the violations. now dates what cleanup may have deleted.
 func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]violation, error) {
+	auditor, err := prepareAuditor(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	defer auditor.close()
+	return auditor.audit(ctx, now, settled)
+}
+
+// auditor holds every invariant's query prepared, for a caller that audits
+// the same database again and again (the simulator does after every step):
+// parsing the queries is most of what one audit of a small database costs.
+type auditor struct {
+	invariants []invariant
+	statements []*sql.Stmt
+}
+
+// prepareAuditor prepares every invariant's query on db.
+func prepareAuditor(ctx context.Context, db *sql.DB) (*auditor, error) {
+	a := &auditor{invariants: invariants(dialectOf(db))}
+	for _, inv := range a.invariants {
+		statement, err := db.PrepareContext(ctx, inv.query)
+		if err != nil {
+			a.close()
+			return nil, fmt.Errorf("prepare check %q: %w", inv.name, err)
+		}
+		a.statements = append(a.statements, statement)
+	}
+	return a, nil
+}
+
+// close releases the prepared statements.
+func (a *auditor) close() {
+	for _, statement := range a.statements {
+		statement.Close()
+	}
+}
+
+// audit runs every invariant (the settled ones only if settled) and returns
+// the violations. now dates what cleanup may have deleted.
+func (a *auditor) audit(ctx context.Context, now time.Time, settled bool) ([]violation, error) {
 	recent := formatTime(now.Add(-messageRetention))
 	var violations []violation
-	for _, inv := range invariants(dialectOf(db)) {
+	for i, inv := range a.invariants {
 		if inv.settledOnly && !settled {
 			continue
 		}
-		details, err := runInvariant(ctx, db, inv, recent)
+		var args []any
+		if inv.sinceRecent {
+			args = append(args, recent)
+		}
+		rows, err := a.statements[i].QueryContext(ctx, args...)
+		details, err := violationDetails(inv, rows, err)
 		if err != nil {
 			return nil, err
 		}
@@ -184,15 +229,21 @@ func audit(ctx context.Context, db *sql.DB, now time.Time, settled bool) ([]viol
 	return violations, nil
 }
 
-// runInvariant runs one invariant's query and returns its violations'
-// details. recent is the oldest created_at that cleanup has certainly not
-// deleted (see sinceRecent).
+// runInvariant runs one invariant's query on db and returns its
+// violations' details. recent is the oldest created_at that cleanup has
+// certainly not deleted (see sinceRecent).
 func runInvariant(ctx context.Context, db *sql.DB, inv invariant, recent string) ([]string, error) {
 	var args []any
 	if inv.sinceRecent {
 		args = append(args, recent)
 	}
 	rows, err := db.QueryContext(ctx, inv.query, args...)
+	return violationDetails(inv, rows, err)
+}
+
+// violationDetails reads the details an invariant's query returned (rows
+// and err are its result).
+func violationDetails(inv invariant, rows *sql.Rows, err error) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("check %q: %w", inv.name, err)
 	}

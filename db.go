@@ -310,7 +310,9 @@ func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 // keyTx is withTx for a transaction that claims the idempotency key
 // (userID, key): no other transaction can claim the same key before it
 // ends. On SQLite that is BEGIN IMMEDIATE; on PostgreSQL an advisory lock
-// on the key (see keyTxOptions in dialect.go).
+// on the key (see keyTxOptions in dialect.go). Every claim of a key goes
+// through it, whatever the endpoint, so two claims of one key always wait
+// for each other. Returns fn's error, or the database's.
 func keyTx(ctx context.Context, db *sql.DB, userID, key string, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)
 	return runTx(ctx, db, d, d.keyTxOptions, func(tx *sql.Tx) error {

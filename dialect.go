@@ -40,8 +40,11 @@ type dialect struct {
 	// it re-checks its conditions on the locked row. Under SERIALIZABLE, two
 	// relays scanning the same queue would keep failing each other.
 	claimTxOptions *sql.TxOptions
-	// keyTxOptions and lockKey begin the transaction that creates an order
-	// under an idempotency key (keyTx).
+	// keyTxOptions and lockKey begin every transaction that claims an
+	// idempotency key (keyTx): createOrder's, and a refund's acquireKey.
+	// One discipline for every claim: a claim that took the lock and one
+	// that did not (SERIALIZABLE alone) would both find the key free, both
+	// insert it, and one would fail with a unique violation.
 	//
 	// On PostgreSQL, SERIALIZABLE is too blunt here: looking up a key that
 	// is not there takes a predicate (SIRead) lock on the index page it
@@ -53,7 +56,8 @@ type dialect struct {
 	// READ COMMITTED and first takes a transaction-scoped advisory lock on a
 	// hash of the (user, key) pair: a duplicate request waits there, then
 	// sees the committed key and replays. Everything else it writes is new
-	// rows of its own.
+	// rows of its own, or, for a refund, one UPDATE of the key that checks
+	// the row is still as it was read (see acquireKey).
 	keyTxOptions *sql.TxOptions
 	// lockKey takes that lock; its one parameter names the (user, key)
 	// pair (see keyTx). Empty on SQLite.

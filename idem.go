@@ -120,6 +120,9 @@ type idempotencyKeyRow struct {
 	Status         keyStatus
 	RecoveryPoint  recoveryPoint
 	LockedAt       sql.NullString
+	// LockedBy is the lease token of the request working on the key; NULL
+	// when nobody is (see acquireKey).
+	LockedBy       sql.NullString
 	ResponseStatus sql.NullInt64
 	ResponseBody   []byte
 	Location       sql.NullString
@@ -144,19 +147,22 @@ var errKeyNotFound = errors.New("idempotency key not found")
 // lookupKey reads the caller's key. Returns errKeyNotFound if there is none.
 // An expired, finished key is deleted and reported as not found: it no
 // longer replays, and the request runs as new. (An unfinished one is kept:
-// the completer still owes it an outcome.)
+// the completer still owes it an outcome.) Only a request that claims the
+// key may call it: expiry decides what a new request sees, never what the
+// request that did the work answers (see runRefundPhases). A refund key
+// that already moved money for the order is refused in refundPhaseStarted.
 func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, now time.Time) (idempotencyKeyRow, error) {
 	var key idempotencyKeyRow
 	err := tx.QueryRowContext(ctx, `
 		SELECT user_id, idempotency_key, request_method, request_path, request_hash, request_params,
-		       status, recovery_point, locked_at, response_status, response_body, response_location,
+		       status, recovery_point, locked_at, locked_by, response_status, response_body, response_location,
 		       created_at, expires_at
 		FROM idempotency_keys
 		WHERE user_id = ? AND idempotency_key = ?`,
 		userID, idempotencyKey,
 	).Scan(
 		&key.UserID, &key.IdempotencyKey, &key.RequestMethod, &key.RequestPath, &key.RequestHash, &key.RequestParams,
-		&key.Status, &key.RecoveryPoint, &key.LockedAt, &key.ResponseStatus, &key.ResponseBody, &key.Location,
+		&key.Status, &key.RecoveryPoint, &key.LockedAt, &key.LockedBy, &key.ResponseStatus, &key.ResponseBody, &key.Location,
 		&key.CreatedAt, &key.ExpiresAt,
 	)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -178,8 +184,9 @@ func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, n
 
 // insertKey claims a new key for req, leased to lease (or to nobody if
 // lease is empty). The primary key (user_id, idempotency_key) is the race
-// guard; within one BEGIN IMMEDIATE transaction no other writer can claim it
-// between lookupKey and here.
+// guard; within keyTx no other writer can claim it between lookupKey and
+// here. Returns errKeyInProgress if one did anyway (a claim made outside
+// keyTx): the key is someone else's, and the client's retry learns whose.
 func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point recoveryPoint, lease string, now time.Time) error {
 	lockedAt := sql.NullString{String: formatTime(now), Valid: lease != ""}
 	lockedBy := sql.NullString{String: lease, Valid: lease != ""}
@@ -191,6 +198,11 @@ func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point rec
 		req.UserID, req.IdempotencyKey, req.Method, req.Path, req.fingerprint(), req.CanonicalBody,
 		keyProcessing, point, lockedAt, lockedBy, formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
 	)
+	if isUniqueViolation(err) {
+		// A 500 here would tell the client its request failed, when
+		// another request holds the key; 409 says retry for the answer.
+		return fmt.Errorf("insert idempotency key: %w", errKeyInProgress)
+	}
 	if err != nil {
 		return fmt.Errorf("insert idempotency key: %w", err)
 	}
@@ -198,7 +210,10 @@ func insertKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, point rec
 }
 
 // insertCompletedKey writes a key with its definitive answer in one
-// statement, for work that runs inside the claiming transaction.
+// statement, for work that runs inside the claiming transaction. now is when
+// the answer was made: the key replays for idempotencyKeyTTL from then.
+// Returns errKeyInProgress if another request inserted the key first (see
+// insertKey).
 func insertCompletedKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, response apiResponse, now time.Time) error {
 	_, err := tx.ExecContext(ctx, `
 		INSERT INTO idempotency_keys
@@ -209,22 +224,29 @@ func insertCompletedKey(ctx context.Context, tx *sql.Tx, req idempotentRequest, 
 		keyCompleted, recoveryFinished, response.Status, response.Body, response.Location,
 		formatTime(now), formatTime(now.Add(idempotencyKeyTTL)),
 	)
+	if isUniqueViolation(err) {
+		return fmt.Errorf("insert idempotency key: %w", errKeyInProgress)
+	}
 	if err != nil {
 		return fmt.Errorf("insert idempotency key: %w", err)
 	}
 	return nil
 }
 
-// completeKey stores the definitive answer on the key and releases it. From
-// now on every retry replays response.
-func completeKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, response apiResponse) error {
+// completeKey stores the definitive answer on the key, made at now, and
+// releases it. From now on every retry replays response, for
+// idempotencyKeyTTL from now: a multi-phase request may finish long after it
+// claimed the key (a stall, a completer that ran late), and a TTL counted
+// from the claim would let the client's retry right after the answer run as
+// a new request.
+func completeKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, response apiResponse, now time.Time) error {
 	result, err := tx.ExecContext(ctx, `
 		UPDATE idempotency_keys
 		SET status = ?, recovery_point = ?, locked_at = NULL, locked_by = NULL,
-		    response_status = ?, response_body = ?, response_location = ?
+		    response_status = ?, response_body = ?, response_location = ?, expires_at = ?
 		WHERE user_id = ? AND idempotency_key = ?`,
 		keyCompleted, recoveryFinished, response.Status, response.Body, sql.NullString{String: response.Location, Valid: response.Location != ""},
-		userID, idempotencyKey,
+		formatTime(now.Add(idempotencyKeyTTL)), userID, idempotencyKey,
 	)
 	if err != nil {
 		return fmt.Errorf("complete idempotency key: %w", err)
@@ -325,7 +347,11 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 			return fmt.Errorf("encode order: %w", err)
 		}
 		response = apiResponse{Status: 201, Body: body, Location: "/api/orders/" + newOrder.OrderID}
-		return insertCompletedKey(ctx, tx, req, response, now)
+		// The key replays for idempotencyKeyTTL from the answer, not from
+		// the claim: a transaction stalled past the TTL (a paused process,
+		// a stuck disk) must still replay to the retry right after it, not
+		// make a second order. So the clock is read again here.
+		return insertCompletedKey(ctx, tx, req, response, a.now())
 	})
 	if err != nil {
 		return apiResponse{}, err

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -318,6 +319,120 @@ func TestCleanup(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 1 {
 			t.Fatalf("got %d outbox events, want the new order's 1", got)
+		}
+	})
+}
+
+func TestIdempotencyKeyExpiry(t *testing.T) {
+	// Ensure a clock that jumps past the TTL while an order is being
+	// created changes no answer: the request gets its 201 and a retry right
+	// after replays it instead of making a second order.
+	t.Run("ClockJumpsPastExpiryMidCreate", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultAfterKeyClaim && pass == 1 {
+				env.clock.advance(idempotencyKeyTTL + time.Minute)
+			}
+			return nil
+		})
+		body := orderBody(5000, "sku-1", 1, pmCardVisa)
+		first := call(t, ts, "POST", "/api/orders", keyUser42, "k1", body)
+		retry := call(t, ts, "POST", "/api/orders", keyUser42, "k1", body)
+		if first.Status != 201 || retry.Status != 201 || retry.Header.Get("Idempotent-Replayed") != "true" || retry.Body != first.Body {
+			t.Fatalf("got %d then %d replayed=%q, want 201 then its replay", first.Status, retry.Status, retry.Header.Get("Idempotent-Replayed"))
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 1 {
+			t.Fatalf("got %d orders, want 1", got)
+		}
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+}
+
+func TestIdempotencyKeyLocking(t *testing.T) {
+	// Ensure the same key sent at once to create an order and to refund
+	// one is claimed by one of them; the other gets 422 (another request's
+	// key) or 409, never a 5xx. Meaningful on PostgreSQL, where the two
+	// claims run side by side.
+	t.Run("SameKeyToCreateAndRefundAtOnceNever5xx", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		const orders, waves = 8, 10
+		orderIDs := make([]string, orders)
+		for i := range orders {
+			created := mustCreateOrder(t, env, "user-42", fmt.Sprintf("order-%d", i), orderBody(5000, "sku-1", 1, pmCardVisa))
+			orderIDs[i] = orderField(created.Body, "order_id")
+		}
+		env.drain(t)
+
+		type pair struct{ create, refund response }
+		statuses := map[int]int{}
+		for wave := range waves {
+			pairs := make([]pair, orders)
+			errs := make([]error, 2*orders)
+			start := make(chan struct{})
+			var wg sync.WaitGroup
+			for i := range orders {
+				key := fmt.Sprintf("shared-%d-%d", wave, i)
+				wg.Add(2)
+				go func() {
+					defer wg.Done()
+					<-start
+					pairs[i].create, errs[2*i] = send(ts, "POST", "/api/orders", keyUser42, key, orderBody(100, "sku-1", 1, pmCardVisa))
+				}()
+				go func() {
+					defer wg.Done()
+					<-start
+					pairs[i].refund, errs[2*i+1] = send(ts, "POST", refundPath(orderIDs[i]), keyUser42, key, `{"amount_cents":1}`)
+				}()
+			}
+			close(start)
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			for i, p := range pairs {
+				won := 0
+				for _, r := range []response{p.create, p.refund} {
+					statuses[r.Status]++
+					switch {
+					case r.Status == 200 || r.Status == 201:
+						won++
+					case r.Status == 409 || (r.Status == 422 && problemTypeOf(t, r) == problemKeyReused):
+					default:
+						t.Errorf("wave %d pair %d: got %d %s, want 2xx, 409 or 422 key reused", wave, i, r.Status, r.Body)
+					}
+				}
+				if won != 1 {
+					t.Errorf("wave %d pair %d: %d of create (%d) and refund (%d) succeeded, want 1", wave, i, won, p.create.Status, p.refund.Status)
+				}
+			}
+		}
+		t.Logf("statuses of %d requests: %v", 2*orders*waves, statuses)
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
+	// Ensure a key inserted twice, by a claim that bypassed keyTx, is
+	// errKeyInProgress (409, retry for the answer), not a database error
+	// (500).
+	t.Run("DuplicateKeyInsertIsInProgressNot500", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ctx := context.Background()
+		req, _ := newOrderRequest(t, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+		insert := func(tx *sql.Tx) error { return insertKey(ctx, tx, req, recoveryStarted, "", env.clock.now()) }
+		if err := withTx(ctx, env.app.db, insert); err != nil {
+			t.Fatal(err)
+		}
+		if err := withTx(ctx, env.app.db, insert); !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("insertKey again got %v, want errKeyInProgress", err)
+		}
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			return insertCompletedKey(ctx, tx, req, apiResponse{Status: 201, Body: []byte(`{}`)}, env.clock.now())
+		})
+		if !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("insertCompletedKey again got %v, want errKeyInProgress", err)
 		}
 	})
 }

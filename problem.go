@@ -19,6 +19,7 @@ const (
 	problemKeyInvalid         problemType = "/problems/idempotency-key-invalid"
 	problemKeyReused          problemType = "/problems/idempotency-key-reused"
 	problemKeyInProgress      problemType = "/problems/idempotency-key-in-progress"
+	problemKeyExpired         problemType = "/problems/idempotency-key-expired"
 	problemUnauthorized       problemType = "/problems/unauthorized"
 	problemNotFound           problemType = "/problems/not-found"
 	problemMethodNotAllowed   problemType = "/problems/method-not-allowed"
@@ -40,6 +41,7 @@ var problemDocs = map[problemType]string{
 	problemKeyInvalid:         "The Idempotency-Key header must be sent once, with 1 to 255 printable ASCII characters (a UUID v4 is a good choice).",
 	problemKeyReused:          "This Idempotency-Key was first used with a different request (method, path or body). Nothing was done. Use a new key for a new operation; reuse a key only to retry the very same request.",
 	problemKeyInProgress:      "A request with this Idempotency-Key is still being processed. Retry after the Retry-After delay; you will get its result.",
+	problemKeyExpired:         "This Idempotency-Key already made a refund of this order, and it has expired, so it no longer replays that refund's answer. The refund stays recorded under the key for ever, so the key cannot make another refund of the same order: nothing was done. Send a new Idempotency-Key for a new refund. This outcome is stored under the Idempotency-Key.",
 	problemUnauthorized:       "Send Authorization: Bearer <api key>.",
 	problemNotFound:           "There is no such resource, or it belongs to another user.",
 	problemMethodNotAllowed:   "This resource does not accept that method.",

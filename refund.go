@@ -17,6 +17,18 @@
 // in the worker loop if the client never comes back, resumes at the recovery
 // point. The processor's idempotency key makes the resumed call return the
 // refund it already made: a refund never happens twice.
+//
+// Expiry. A refund key replays for idempotencyKeyTTL after its answer, like
+// any key; after that, lookupKey forgets it. But money moved under a refund
+// key is recorded on the refund row for ever (refunds is UNIQUE on order_id
+// and idempotency_key: that is how a resumed request finds its refund). So
+// an expired refund key sent again for the order it refunded is refused with
+// a stored 422 idempotency-key-expired that names the refund, and nothing
+// else happens; the client sends a new key for a new refund. Sent for
+// another order, the expired key runs as a new request (Stripe's rule, and
+// the rule for creating orders). Expiry only decides what a later request
+// sees: the request that did the work answers with what it stored, however
+// late it finishes.
 
 package main
 
@@ -119,59 +131,56 @@ func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID st
 	}
 }
 
-// runRefundPhases runs the phases from key's recovery point to the end.
+// runRefundPhases runs the phases from key's recovery point to the end, and
+// returns the answer the last phase stored on the key. It never reads the
+// key back: each phase says where it left it. Reading it back would apply
+// the expiry rule to the request that did the work (a refund that finished
+// after the TTL would find its key "expired", deleted, and answer 500 though
+// the money moved), and a new request may take an expired key over the
+// moment after the answer is stored.
 func (a *App) runRefundPhases(ctx context.Context, req idempotentRequest, lease string, key idempotencyKeyRow, orderID string, refund refundRequest) (apiResponse, error) {
+	point := key.RecoveryPoint
 	for {
-		switch key.RecoveryPoint {
+		switch point {
 		case recoveryStarted:
-			if err := a.refundPhaseStarted(ctx, req, lease, orderID, refund); err != nil {
+			finished, err := a.refundPhaseStarted(ctx, req, lease, orderID, refund)
+			if err != nil {
 				return apiResponse{}, err
+			}
+			if finished != nil {
+				return *finished, nil
 			}
 			if err := a.fault.at(ctx, faultRefundStarted); err != nil {
 				return apiResponse{}, err
 			}
+			point = recoveryRefundRequested
 		case recoveryRefundRequested:
-			if err := a.refundPhaseRequested(ctx, req, lease, orderID); err != nil {
-				return apiResponse{}, err
-			}
-		case recoveryFinished:
-			// This request (or an earlier one that died) did the work; the
-			// answer is not a replay for this client's first success.
-			response := key.response()
-			response.Replayed = false
-			return response, nil
+			return a.refundPhaseRequested(ctx, req, lease, orderID)
 		default:
-			return apiResponse{}, fmt.Errorf("bug: unhandled recovery point %q", key.RecoveryPoint)
-		}
-		var err error
-		key, err = a.readKey(ctx, req)
-		if err != nil {
-			return apiResponse{}, err
+			// acquireKey replays a finished key; it never gets here.
+			return apiResponse{}, fmt.Errorf("bug: unhandled recovery point %q", point)
 		}
 	}
-}
-
-// readKey reads the key of req, in a transaction of its own.
-func (a *App) readKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, error) {
-	var key idempotencyKeyRow
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
-		var err error
-		key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, a.now())
-		return err
-	})
-	return key, err
 }
 
 // acquireKey claims req's key, or takes over its lease if the lease has
 // passed, and returns the key and the new lease token. It returns the stored
 // response instead if the key is finished, errKeyInProgress while another
-// request holds a fresh lease, and errKeyReused if the key belongs to
-// another request.
+// request holds a fresh lease (or the key changed between reading and
+// taking it), and errKeyReused if the key belongs to another request.
+//
+// It claims under keyTx, the one lock discipline of every key claim: on
+// PostgreSQL a refund and an order creation sent at once with the same key
+// wait for each other on the key's advisory lock, and the second finds the
+// first's key (422 or a replay) instead of both inserting it (a unique
+// violation, which was a 500).
 func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotencyKeyRow, string, *apiResponse, error) {
 	var key idempotencyKeyRow
 	var replay *apiResponse
 	lease := a.newID("lease")
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := keyTx(ctx, a.db, req.UserID, req.IdempotencyKey, func(tx *sql.Tx) error {
+		// keyTx may run this again: start from nothing.
+		replay = nil
 		now := a.now()
 		var err error
 		key, err = lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
@@ -193,14 +202,28 @@ func (a *App) acquireKey(ctx context.Context, req idempotentRequest) (idempotenc
 			replay = &response
 			return nil
 		}
-		if key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-a.leases.refundLock)) {
+		// A key the completer set aside (locked_at without locked_by) is
+		// held by nobody: the client's own retry takes it at once.
+		if key.LockedBy.Valid && key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-a.leases.refundLock)) {
 			return errKeyInProgress
 		}
-		_, err = tx.ExecContext(ctx, `
-			UPDATE idempotency_keys SET locked_at = ?, locked_by = ? WHERE user_id = ? AND idempotency_key = ?`,
-			formatTime(now), lease, req.UserID, req.IdempotencyKey)
+		// Take it over only as it was read. On PostgreSQL this transaction
+		// runs READ COMMITTED (keyTx) and a phase of the old holder may
+		// have committed since: taking the key over anyway would resume
+		// this request at a recovery point the key has already passed.
+		result, err := tx.ExecContext(ctx, `
+			UPDATE idempotency_keys SET locked_at = ?, locked_by = ?
+			WHERE user_id = ? AND idempotency_key = ? AND recovery_point = ? AND COALESCE(locked_by, '') = ?`,
+			formatTime(now), lease, req.UserID, req.IdempotencyKey, key.RecoveryPoint, key.LockedBy.String)
 		if err != nil {
 			return fmt.Errorf("take over idempotency key: %w", err)
+		}
+		n, err := result.RowsAffected()
+		if err != nil {
+			return fmt.Errorf("take over idempotency key: %w", err)
+		}
+		if n != 1 {
+			return errKeyInProgress
 		}
 		return nil
 	})
@@ -267,33 +290,57 @@ func (a *App) forgetKey(ctx context.Context, req idempotentRequest, lease string
 }
 
 // refundPhaseStarted checks the order and records a pending refund, or
-// stores a definitive refusal on the key. Counting pending refunds in what
-// remains means two refunds in flight under different keys can never
-// together exceed the charge.
-func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lease, orderID string, refund refundRequest) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+// stores a definitive refusal on the key and returns it (the request's
+// answer). Counting pending refunds in what remains means two refunds in
+// flight under different keys can never together exceed the charge.
+// Returns errPaymentPending if the order is not paid yet, errKeyInProgress
+// if lease no longer holds the key.
+func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lease, orderID string, refund refundRequest) (*apiResponse, error) {
+	var finished *apiResponse
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		finished = nil // withTx may run this again
 		if err := holdsLease(ctx, tx, req, lease); err != nil {
 			return err
 		}
 		now := a.now()
+		refuse := func(p problem) error {
+			response := problemResponse(p)
+			finished = &response
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, response, now)
+		}
 		order, err := readOrder(ctx, tx, orderID)
 		if errors.Is(err, errOrderNotFound) || (err == nil && order.UserID != req.UserID) {
-			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+			return refuse(problem{
 				Type: problemNotFound, Title: "Order not found", Status: 404,
 				Detail: fmt.Sprintf("no order %s", orderID),
-			}))
+			})
 		}
 		if err != nil {
 			return err
+		}
+		// A refund of this order under this key can exist only if the key
+		// made it in an earlier life and then expired (the phase that
+		// records a refund moves the key past started in the same
+		// transaction). See "Expiry" at the top of this file.
+		var earlier struct{ refundID, createdAt, settledAt string }
+		err = tx.QueryRowContext(ctx, `
+			SELECT refund_id, created_at, updated_at FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
+			orderID, req.IdempotencyKey).Scan(&earlier.refundID, &earlier.createdAt, &earlier.settledAt)
+		switch {
+		case err == nil:
+			return refuse(expiredRefundKeyProblem(req.IdempotencyKey, earlier.refundID, earlier.createdAt, earlier.settledAt))
+		case errors.Is(err, sql.ErrNoRows):
+		default:
+			return fmt.Errorf("look up an earlier refund under the key: %w", err)
 		}
 		if order.Status == orderCreated {
 			return errPaymentPending
 		}
 		if order.Status != orderPaid {
-			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+			return refuse(problem{
 				Type: problemOrderNotRefundable, Title: "Order is not refundable", Status: 409,
 				Detail: fmt.Sprintf("order %s is %s; only a paid order can be refunded", orderID, order.Status),
-			}))
+			})
 		}
 		var committed int64
 		err = tx.QueryRowContext(ctx, `
@@ -308,10 +355,10 @@ func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lea
 			amount = *refund.AmountCents
 		}
 		if amount <= 0 || amount > remaining {
-			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
+			return refuse(problem{
 				Type: problemRefundTooLarge, Title: "Refund exceeds what remains", Status: 422,
 				Detail: fmt.Sprintf("asked to refund %d; %d of %d remains refundable", amount, remaining, order.AmountCents),
-			}))
+			})
 		}
 		_, err = tx.ExecContext(ctx, `
 			INSERT INTO refunds (refund_id, order_id, amount_cents, status, source, idempotency_key, created_at, updated_at)
@@ -322,53 +369,82 @@ func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lea
 		}
 		return setRecoveryPoint(ctx, tx, req, recoveryRefundRequested)
 	})
+	return finished, err
 }
 
-// refundPhaseRequested calls the processor for the pending refund and
-// records the outcome. Its processor key is derived from our refund id, so a
-// resumed call returns the refund already made.
-func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, lease, orderID string) error {
+// expiredRefundKeyProblem is the answer to an expired key sent again for the
+// order it refunded: refundID, made at createdAt and settled at settledAt
+// (stored times). The key expired idempotencyKeyTTL after the refund
+// settled, since the key's answer is stored in the same transaction.
+func expiredRefundKeyProblem(idempotencyKey, refundID, createdAt, settledAt string) problem {
+	made, expired := createdAt, settledAt
+	if t, err := time.Parse(timeFormat, createdAt); err == nil {
+		made = t.Format(time.RFC3339)
+	}
+	if t, err := time.Parse(timeFormat, settledAt); err == nil {
+		expired = t.Add(idempotencyKeyTTL).Format(time.RFC3339)
+	}
+	return problem{
+		Type: problemKeyExpired, Title: "Idempotency key expired", Status: 422,
+		Detail: fmt.Sprintf("key %s made refund %s of this order on %s and expired at %s; send a new key for a new refund",
+			idempotencyKey, refundID, made, expired),
+	}
+}
+
+// refundPhaseRequested calls the processor for the pending refund, records
+// the outcome, and returns the answer it stored on the key. Its processor
+// key is derived from our refund id, so a resumed call returns the refund
+// already made. Returns errKeyInProgress if lease no longer holds the key,
+// errProcessorTimeout if the processor's answer was lost.
+func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, lease, orderID string) (apiResponse, error) {
 	var refundID string
 	var amount int64
 	err := a.db.QueryRowContext(ctx, `
 		SELECT refund_id, amount_cents FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
 		orderID, req.IdempotencyKey).Scan(&refundID, &amount)
 	if err != nil {
-		return fmt.Errorf("read refund of %s: %w", orderID, err)
+		return apiResponse{}, fmt.Errorf("read refund of %s: %w", orderID, err)
 	}
 	order, err := readOrder(ctx, a.db, orderID)
 	if err != nil {
-		return err
+		return apiResponse{}, err
 	}
 
 	processorRefundID, err := a.processor.refund(ctx, "refund:"+refundID, order.ChargeID.String, amount)
 	switch {
 	case err == nil:
 	case errors.Is(err, errCrash):
-		return err
+		return apiResponse{}, err
 	case errors.Is(err, errRefundExceedsCharge), errors.Is(err, errProcessorKeyReused):
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		refused := problemResponse(problem{
+			Type: problemProcessorRefused, Title: "The processor refused the refund", Status: 422,
+			Detail: err.Error(),
+		})
+		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 			if err := holdsLease(ctx, tx, req, lease); err != nil {
 				return err
 			}
-			if err := setRefundStatus(ctx, tx, refundID, "failed", sql.NullString{}, a.now()); err != nil {
+			now := a.now()
+			if err := setRefundStatus(ctx, tx, refundID, "failed", sql.NullString{}, now); err != nil {
 				return err
 			}
-			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, problemResponse(problem{
-				Type: problemProcessorRefused, Title: "The processor refused the refund", Status: 422,
-				Detail: err.Error(),
-			}))
+			return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, refused, now)
 		})
+		if err != nil {
+			return apiResponse{}, err
+		}
+		return refused, nil
 	default:
 		// A timeout: the refund may have happened. The retry (or the
 		// completer) asks again with the same key and learns which.
-		return err
+		return apiResponse{}, err
 	}
 	if err := a.fault.at(ctx, faultRefundAfterProcessor); err != nil {
-		return err
+		return apiResponse{}, err
 	}
 
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+	var succeeded apiResponse
+	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
 		if err := holdsLease(ctx, tx, req, lease); err != nil {
 			return err
 		}
@@ -396,8 +472,13 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, l
 		if err != nil {
 			return fmt.Errorf("encode refund: %w", err)
 		}
-		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, apiResponse{Status: 200, Body: body})
+		succeeded = apiResponse{Status: 200, Body: body}
+		return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, succeeded, now)
 	})
+	if err != nil {
+		return apiResponse{}, err
+	}
+	return succeeded, nil
 }
 
 // setRefundStatus settles a pending refund. It returns an error if the
@@ -438,14 +519,23 @@ func addRefundToOrder(ctx context.Context, tx *sql.Tx, orderID string, amount in
 // completeRefundsOnce finishes up to max refund keys whose request was
 // abandoned: not finished, and either released after a transient failure or
 // leased by a request that has not been heard from for refundLockTimeout.
-// It returns how many it finished.
+// It returns how many it finished, and every key it failed on, joined: one
+// key that cannot be finished (a bug, a damaged row) must not stop the
+// others, whose pending refunds hold back what their orders can still
+// refund and make charge.refunded webhooks for those orders wait. A key it
+// fails on, or whose processor call times out, is set aside for
+// refundLockTimeout (setRefundKeyAside), so it does not come back at the
+// head of every pass and take the place of keys that can be finished.
 func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
+	now := a.now()
 	rows, err := a.db.QueryContext(ctx, `
 		SELECT user_id, idempotency_key, request_method, request_path, request_params
 		FROM idempotency_keys
 		WHERE recovery_point <> 'finished' AND (locked_at IS NULL OR locked_at <= ?)
-		ORDER BY created_at
-		LIMIT ?`, formatTime(a.now().Add(-a.leases.refundLock)), max)
+		-- Longest waiting first: a key set aside a moment ago goes after
+		-- those abandoned before it.
+		ORDER BY COALESCE(locked_at, created_at)
+		LIMIT ?`, formatTime(now.Add(-a.leases.refundLock)), max)
 	if err != nil {
 		return 0, fmt.Errorf("find abandoned keys: %w", err)
 	}
@@ -466,25 +556,62 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 	}
 
 	finished := 0
+	var failures []error
 	for _, req := range abandoned {
-		orderID, ok := orderIDFromRefundPath(req.Path)
-		if !ok {
-			return finished, fmt.Errorf("bug: unfinished idempotency key for %s %s", req.Method, req.Path)
-		}
-		refund, err := decodeRefundRequest(req.CanonicalBody)
-		if err != nil {
-			return finished, fmt.Errorf("bug: stored refund request does not decode: %w", err)
-		}
-		_, err = a.refundOrder(ctx, req, orderID, refund)
+		err := a.completeRefund(ctx, req)
 		switch {
 		case err == nil:
 			finished++
-		case errors.Is(err, errKeyInProgress), errors.Is(err, errProcessorTimeout):
-			// A client's retry took it over, or the processor did not
-			// answer; the lease is released and the next pass tries again.
+			continue
+		case errors.Is(err, errCrash):
+			return finished, err
+		case errors.Is(err, errKeyInProgress), errors.Is(err, errPaymentPending):
+			// A client's retry took it over; or the order turned out not
+			// to be paid yet, and the key was forgotten for the retry.
+			continue
+		case errors.Is(err, errProcessorTimeout):
+			// Transient, and not a failure to report; but a processor that
+			// keeps timing out must not be asked again on every pass.
 		default:
-			return finished, fmt.Errorf("complete refund %s of %s: %w", req.IdempotencyKey, req.UserID, err)
+			failures = append(failures, fmt.Errorf("complete refund %s of %s: %w", req.IdempotencyKey, req.UserID, err))
+		}
+		if err := a.setRefundKeyAside(ctx, req); err != nil {
+			return finished, errors.Join(append(failures, err)...)
 		}
 	}
-	return finished, nil
+	return finished, errors.Join(failures...)
+}
+
+// completeRefund finishes the refund of one abandoned key, as the client's
+// retry would. Returns refundOrder's errors, or a bug error if the key's
+// stored request is not a refund.
+func (a *App) completeRefund(ctx context.Context, req idempotentRequest) error {
+	orderID, ok := orderIDFromRefundPath(req.Path)
+	if !ok {
+		return fmt.Errorf("bug: unfinished idempotency key for %s %s", req.Method, req.Path)
+	}
+	refund, err := decodeRefundRequest(req.CanonicalBody)
+	if err != nil {
+		return fmt.Errorf("bug: stored refund request does not decode: %w", err)
+	}
+	_, err = a.refundOrder(ctx, req, orderID, refund)
+	return err
+}
+
+// setRefundKeyAside keeps the completer away from req's key for
+// refundLockTimeout after it failed on it: locked_at says when it last
+// tried, and locked_by stays NULL, so nobody holds the key and the client's
+// own retry may still take it at once (acquireKey). A key that a request
+// has leased since is left alone.
+func (a *App) setRefundKeyAside(ctx context.Context, req idempotentRequest) error {
+	now := a.now()
+	_, err := a.db.ExecContext(ctx, `
+		UPDATE idempotency_keys SET locked_at = ?, locked_by = NULL
+		WHERE user_id = ? AND idempotency_key = ? AND recovery_point <> 'finished'
+		  AND (locked_by IS NULL OR locked_at <= ?)`,
+		formatTime(now), req.UserID, req.IdempotencyKey, formatTime(now.Add(-a.leases.refundLock)))
+	if err != nil {
+		return fmt.Errorf("set refund key %s aside: %w", req.IdempotencyKey, err)
+	}
+	return nil
 }

@@ -327,3 +327,236 @@ func TestHTTPWebhook(t *testing.T) {
 		}
 	})
 }
+
+// refundCall sends a refund of orderID by user-42 under key.
+func refundCall(tb testing.TB, ts *httptest.Server, orderID, key, body string) response {
+	tb.Helper()
+	return call(tb, ts, "POST", refundPath(orderID), keyUser42, key, body)
+}
+
+// mustRefund200 fails the test unless r is a refund's 200 with the wanted
+// Idempotent-Replayed header, and returns the refund id.
+func mustRefund200(tb testing.TB, what string, r response, replayed bool) string {
+	tb.Helper()
+	if r.Status != 200 || (r.Header.Get("Idempotent-Replayed") == "true") != replayed {
+		tb.Fatalf("%s got %d replayed=%q %s, want 200 replayed=%v", what, r.Status, r.Header.Get("Idempotent-Replayed"), r.Body, replayed)
+	}
+	return orderField([]byte(r.Body), "refund_id")
+}
+
+// mustRefuseExpiredKey fails the test unless r is the stored 422 that
+// refuses an expired key reused for the refund refundID of the same order.
+func mustRefuseExpiredKey(tb testing.TB, what string, r response, refundID string) {
+	tb.Helper()
+	if r.Status != 422 || problemTypeOf(tb, r) != problemKeyExpired || !strings.Contains(r.Body, refundID) {
+		tb.Fatalf("%s got %d %s, want 422 %s naming %s", what, r.Status, r.Body, problemKeyExpired, refundID)
+	}
+}
+
+func TestHTTPRefundKeyExpiry(t *testing.T) {
+	// Ensure a refund key reused after it expired, for the order it already
+	// refunded, is refused with a stored 422 that names the refund, and
+	// nothing else happens; the same key for another order runs as new.
+	t.Run("ExpiredKeyReusedIsRefusedNot500", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		refundID := mustRefund200(t, "the refund", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), false)
+		env.clock.advance(idempotencyKeyTTL + time.Minute)
+
+		// For another order the expired key runs as a new request.
+		created := call(t, ts, "POST", "/api/orders", keyUser42, "order-key-2", orderBody(3000, "sku-1", 1, pmCardVisa))
+		env.drain(t)
+		otherOrderID := orderField([]byte(created.Body), "order_id")
+		mustRefund200(t, "the expired key for another order", refundCall(t, ts, otherOrderID, "r1", `{"amount_cents":1000}`), false)
+		env.clock.advance(idempotencyKeyTTL + time.Minute)
+
+		reused := refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`)
+		mustRefuseExpiredKey(t, "the expired key reused", reused, refundID)
+		again := refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`)
+		mustRefuseExpiredKey(t, "its retry", again, refundID)
+		if again.Header.Get("Idempotent-Replayed") != "true" || again.Body != reused.Body {
+			t.Fatalf("the refusal was not replayed: %q %s", again.Header.Get("Idempotent-Replayed"), again.Body)
+		}
+		if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM refunds WHERE order_id = ?`, orderID); got != "1:2000" {
+			t.Fatalf("refunds of the first order count:sum %s, want 1:2000", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {
+			t.Fatalf("got %d processor refunds, want 2", got)
+		}
+		if n, err := env.app.completeRefundsOnce(context.Background(), 10); err != nil || n != 0 {
+			t.Fatalf("completer finished %d, %v; want 0, nil", n, err)
+		}
+
+		// Once cleanup has deleted the key, the refund row still remembers it.
+		env.clock.advance(idempotencyKeyTTL + time.Minute)
+		if _, err := env.app.cleanupOnce(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		mustRefuseExpiredKey(t, "the key reused after cleanup", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), refundID)
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
+	// Ensure a refund that finishes after its key's TTL answers 200 (the
+	// money moved), and a retry right after replays it.
+	t.Run("RefundFinishingAfterExpiryAnswers200", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultRefundAfterProcessor {
+				env.clock.advance(idempotencyKeyTTL + time.Minute)
+			}
+			return nil
+		})
+		refundID := mustRefund200(t, "the late refund", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), false)
+		env.fault.set(nil)
+		if got := mustRefund200(t, "its retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), true); got != refundID {
+			t.Fatalf("the retry replayed refund %s, want %s", got, refundID)
+		}
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
+	// Ensure one key the completer cannot finish neither stops it from
+	// finishing the others nor takes a place in every pass: it is reported,
+	// set aside for a lease, and tried again after.
+	t.Run("CompleterGoesOnPastABadKey", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		ctx := context.Background()
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		// A key whose refund row is gone: an operator's mistake, a bug.
+		broken, _ := refundRequestFor(t, orderID, "broken", "")
+		_, err := env.app.db.Exec(`
+			INSERT INTO idempotency_keys
+				(user_id, idempotency_key, request_method, request_path, request_hash, request_params,
+				 status, recovery_point, created_at, expires_at)
+			VALUES (?, ?, ?, ?, ?, ?, 'processing', 'refund_requested', ?, ?)`,
+			broken.UserID, broken.IdempotencyKey, broken.Method, broken.Path, broken.fingerprint(), broken.CanonicalBody,
+			formatTime(env.clock.now()), formatTime(env.clock.now().Add(idempotencyKeyTTL)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(time.Second)
+		env.fault.crashAt(faultRefundAfterProcessor)
+		req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+		if _, err := env.app.refundOrder(ctx, req, orderID, refund); !errors.Is(err, errCrash) {
+			t.Fatalf("got %v, want the crash", err)
+		}
+		env.restart(t)
+		ts = newTestServer(t, env)
+		env.clock.advance(env.app.leases.refundLock)
+
+		// One key per pass: the broken key, oldest, comes first.
+		n, err := env.app.completeRefundsOnce(ctx, 1)
+		if n != 0 || err == nil || !strings.Contains(err.Error(), "broken") {
+			t.Fatalf("first pass finished %d, %v; want 0 and an error naming the broken key", n, err)
+		}
+		if n, err := env.app.completeRefundsOnce(ctx, 1); n != 1 || err != nil {
+			t.Fatalf("second pass finished %d, %v; want the abandoned refund", n, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM refunds WHERE status = 'pending'`); got != 0 {
+			t.Fatalf("got %d pending refunds, want 0", got)
+		}
+		env.clock.advance(env.app.leases.refundLock)
+		if n, err := env.app.completeRefundsOnce(ctx, 10); n != 0 || err == nil {
+			t.Fatalf("after its lease the broken key got %d, %v; want it tried and reported again", n, err)
+		}
+		mustRefund200(t, "the abandoned refund's late retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), true)
+	})
+
+	// Ensure a clock that jumps past the key's TTL and the lease at each
+	// point of a refund changes no answer: the request that did the work
+	// gets 200 (after a 503 if the processor's answer was lost), a retry
+	// replays it, a reuse once it expired gets the stored 422, and the
+	// books balance.
+	for _, point := range []faultPoint{faultRefundStarted, faultRefundAfterProcessor, faultProcessorLoseResponse} {
+		t.Run("ClockJumpsPastExpiryAt_"+string(point), func(t *testing.T) {
+			env := MustOpenApp(t)
+			ts := newTestServer(t, env)
+			orderID := paidOrderOverHTTP(t, env, ts, 5000)
+			jumped := false
+			env.fault.set(func(p faultPoint, pass int) error {
+				if p != point || jumped {
+					return nil
+				}
+				jumped = true
+				env.clock.advance(idempotencyKeyTTL + env.app.leases.refundLock + time.Minute)
+				if p == faultProcessorLoseResponse {
+					return errors.New("connection reset")
+				}
+				return nil
+			})
+			first := refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`)
+			if point == faultProcessorLoseResponse {
+				if first.Status != 503 {
+					t.Fatalf("the lost answer got %d %s, want 503", first.Status, first.Body)
+				}
+				first = refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`)
+			}
+			refundID := mustRefund200(t, "the refund", first, false)
+			if got := mustRefund200(t, "its retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), true); got != refundID {
+				t.Fatalf("the retry replayed refund %s, want %s", got, refundID)
+			}
+			env.drain(t)
+			mustAudit(t, env, true)
+
+			env.clock.advance(idempotencyKeyTTL + time.Minute)
+			mustRefuseExpiredKey(t, "the expired key reused", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), refundID)
+			if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM processor_refunds`); got != "1:2000" {
+				t.Fatalf("processor refunds count:sum %s, want 1:2000", got)
+			}
+			env.drain(t)
+			mustAudit(t, env, true)
+		})
+	}
+
+	// Ensure the completer finishes a refund abandoned longer than its
+	// key's TTL at each recovery point, and the client's late retry replays
+	// the completer's answer.
+	for _, point := range []faultPoint{faultRefundStarted, faultRefundAfterProcessor} {
+		t.Run("CompleterFinishesRefundAbandonedPastExpiryAt_"+string(point), func(t *testing.T) {
+			env := MustOpenApp(t)
+			ts := newTestServer(t, env)
+			orderID := paidOrderOverHTTP(t, env, ts, 5000)
+			env.fault.crashAt(point)
+			req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+			if _, err := env.app.refundOrder(context.Background(), req, orderID, refund); !errors.Is(err, errCrash) {
+				t.Fatalf("got %v, want the crash", err)
+			}
+			env.restart(t)
+			ts = newTestServer(t, env)
+			env.clock.advance(idempotencyKeyTTL + env.app.leases.refundLock + time.Minute)
+			if n, err := env.app.completeRefundsOnce(context.Background(), 10); n != 1 || err != nil {
+				t.Fatalf("completer finished %d, %v; want 1", n, err)
+			}
+			mustRefund200(t, "the late retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), true)
+			env.drain(t)
+			mustAudit(t, env, true)
+		})
+	}
+}
+
+// send is call for a goroutine other than the test's: it returns the
+// failure instead of ending the test.
+func send(ts *httptest.Server, method, path, apiKey, idempotencyKey, body string) (response, error) {
+	req, err := http.NewRequest(method, ts.URL+path, strings.NewReader(body))
+	if err != nil {
+		return response{}, err
+	}
+	req.Header.Set("Authorization", "Bearer "+apiKey)
+	req.Header.Set("Idempotency-Key", idempotencyKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := ts.Client().Do(req)
+	if err != nil {
+		return response{}, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return response{}, err
+	}
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, nil
+}

@@ -1,0 +1,818 @@
+// The deterministic simulator (retrysafe simulate): every layer, driven from
+// one seed, in one goroutine at a time, with the faults that SIGKILL never
+// reaches.
+//
+// A crash test kills a process at each named point; a chaos run kills real
+// processes at random. Neither explores many interleavings, and neither
+// replays a failure. Here, as in FoundationDB's simulator and TigerBeetle's
+// VOPR, one seeded random source decides everything: which virtual client
+// sends what (new requests, retries after a timeout, concurrent duplicates,
+// keys reused after their expiry, refunds, hostile bodies, signed
+// webhooks), which worker runs a one-shot pass (relayOnce, consumeOnce,
+// sagaOnce, completeRefundsOnce, cleanupOnce), and when the clock jumps
+// (a little, past a lease, past a key's expiry), a process crashes, or the
+// processor loses a response.
+//
+// Every client request and worker pass is an action that runs as a
+// coroutine (iter.Pull): at each fault point outside a transaction it hands
+// control back to the simulator, which may run something else first. An
+// action left waiting there while the clock passes its lease is a paused
+// process: it resumes with its stale view while another worker has taken its
+// work over. Crashing a process abandons all its actions: each returns
+// errCrash from the point where it waits and unwinds, rolling back what it
+// had not committed. Only one coroutine runs at a time, the clock is fake,
+// ids come from the seed, and nothing iterates over a map, so a seed gives
+// the same run, byte for byte.
+//
+// After every step the in-flight invariants of check must hold and every
+// answer a client got must be possible; at the end faults stop, clients
+// retry what they never got an answer to, workers run until quiet, and the
+// full check and the clients' view must hold.
+
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"iter"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// simOptions are the settings of one simulated run.
+type simOptions struct {
+	seed  uint64
+	steps int
+	// path is the SQLite file; empty means a temporary one, removed at the
+	// end.
+	path string
+	// progress, if set, gets every trace line as it happens.
+	progress io.Writer
+}
+
+// simReport is what a run did and found.
+type simReport struct {
+	Seed  uint64
+	Steps int
+	// Trace has one line per step, and one per action that ends.
+	Trace []string
+	// Failure is the first broken promise, with the step it was found at;
+	// empty if the run passed.
+	Failure     string
+	FailureStep int
+	Counts      simCounts
+}
+
+// simCounts are what a run exercised.
+type simCounts struct {
+	Requests, Retries, Hostile, Webhooks, Refunds int
+	WorkerPasses, Suspensions, Pauses, Crashes    int
+	ClockJumps, LostResponses, Answers5xx         int
+}
+
+// simProcess is a virtual serve, relay or worker process. Its name is its
+// worker id, kept across restarts, as a restarted process would.
+type simProcess struct {
+	name string
+	kind string
+}
+
+// simAction is one client request or worker pass, run as a coroutine.
+type simAction struct {
+	id      int
+	process *simProcess
+	what    string
+	next    func() (faultPoint, bool)
+	stop    func()
+	yield   func(faultPoint) bool
+	// waitingAt is the fault point where the action waits for the
+	// simulator; suspendedAt is the time it started waiting there.
+	waitingAt   faultPoint
+	suspendedAt time.Time
+	// crashed is set when its process crashed: the point where it waits
+	// returns errCrash.
+	crashed bool
+	// request and recorder are a client request's; result a worker pass's.
+	request  *simRequest
+	recorder *httptest.ResponseRecorder
+	result   string
+}
+
+// simClient is a virtual API client: one user, with the requests it has
+// sent so far (to retry them with the same key) and the orders it was told
+// about.
+type simClient struct {
+	name, user, apiKey string
+	requests           []*simRequest
+	orders             []string
+	keys               int
+}
+
+// simRequest is one logical request: a method, a path, a key and a body.
+// A retry sends the same again.
+type simRequest struct {
+	client               *simClient
+	kind                 string // create, refund, hostile, webhook
+	method, path, key    string
+	body                 string
+	answers              []simAnswer
+	inFlight             int
+	orderID, webhookFrom string
+}
+
+// simAnswer is one HTTP answer a client got.
+type simAnswer struct {
+	step   int
+	status int
+	body   string
+	at     time.Time
+}
+
+// simulation is the state of one run.
+type simulation struct {
+	opts      simOptions
+	rng       *rand.Rand
+	clock     *fakeClock
+	app       *App
+	auditor   *auditor
+	handler   http.Handler
+	secret    []byte
+	processes []*simProcess
+	clients   []*simClient
+	actions   []*simAction
+	current   *simAction
+	nextID    int
+	step      int
+	quiescing bool
+	webhooks  []string
+	report    simReport
+}
+
+// simulationSteps is how many steps `go test` runs per seed by default.
+const simulationSteps = 150
+
+// simulateOnce runs one seed and returns its report. It returns an error
+// only if the simulation itself could not run (the database could not be
+// opened); a broken promise is the report's Failure.
+func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
+	path := opts.path
+	if path == "" {
+		dir, err := os.MkdirTemp("", "retrysafe-sim-")
+		if err != nil {
+			return simReport{}, fmt.Errorf("temporary directory: %w", err)
+		}
+		defer os.RemoveAll(dir)
+		path = filepath.Join(dir, "sim.db")
+	} else if err := requireNewDatabase(ctx, path); err != nil {
+		return simReport{}, err
+	}
+	s := &simulation{
+		opts:   opts,
+		rng:    rand.New(rand.NewPCG(opts.seed, 0x5eed)),
+		clock:  newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)),
+		secret: []byte("whsec_simulation"),
+		report: simReport{Seed: opts.seed},
+	}
+	var seed [32]byte
+	for i := range 8 {
+		seed[i] = byte(opts.seed >> (8 * i))
+	}
+	app, err := openApp(ctx, path, s.clock.now, newIDs(rand.NewChaCha8(seed)), s.faultHook)
+	if err != nil {
+		return simReport{}, err
+	}
+	defer app.db.Close()
+	s.app = app
+	s.auditor, err = prepareAuditor(ctx, app.db)
+	if err != nil {
+		return simReport{}, err
+	}
+	defer s.auditor.close()
+	srv := &server{
+		app:           app,
+		apiKeys:       map[string]string{"sk_sim_a": "user-42", "sk_sim_b": "user-7"},
+		webhookSecret: s.secret,
+		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+	s.handler = srv.routes()
+	s.processes = []*simProcess{
+		{"serve-1", "serve"}, {"serve-2", "serve"},
+		{"relay-1", "relay"}, {"relay-2", "relay"},
+		{"worker-1", "worker"}, {"worker-2", "worker"},
+	}
+	s.clients = []*simClient{
+		{name: "c1", user: "user-42", apiKey: "sk_sim_a"},
+		{name: "c2", user: "user-42", apiKey: "sk_sim_a"},
+		{name: "c3", user: "user-7", apiKey: "sk_sim_b"},
+	}
+	err = s.run(ctx)
+	var failure *simFailure
+	if errors.As(err, &failure) {
+		s.report.Failure = failure.reason
+		s.report.FailureStep = failure.step
+		s.tracef("FAILED at step %d: %s", failure.step, failure.reason)
+		// Stop what is still waiting, so no coroutine outlives the run.
+		for _, action := range s.actions {
+			action.crashed = true
+			action.stop()
+		}
+		return s.report, nil
+	}
+	return s.report, err
+}
+
+// simFailure is a broken promise: an invariant, or an answer a client
+// should never have got.
+type simFailure struct {
+	step   int
+	reason string
+}
+
+// Error says which promise broke, and when.
+func (f *simFailure) Error() string { return fmt.Sprintf("step %d: %s", f.step, f.reason) }
+
+// fail returns a simFailure at the current step.
+func (s *simulation) fail(format string, args ...any) error {
+	return &simFailure{step: s.step, reason: fmt.Sprintf(format, args...)}
+}
+
+// tracef adds a line to the trace.
+func (s *simulation) tracef(format string, args ...any) {
+	line := fmt.Sprintf("%4d  ", s.step) + fmt.Sprintf(format, args...)
+	s.report.Trace = append(s.report.Trace, line)
+	if s.opts.progress != nil {
+		fmt.Fprintln(s.opts.progress, line)
+	}
+}
+
+// chance returns true with probability p.
+func (s *simulation) chance(p float64) bool {
+	return s.rng.Float64() < p
+}
+
+// pick returns a random element of items.
+func pick[T any](s *simulation, items []T) T {
+	return items[s.rng.IntN(len(items))]
+}
+
+// run is the main loop: steps, then quiescence.
+func (s *simulation) run(ctx context.Context) error {
+	for s.step = 1; s.step <= s.opts.steps; s.step++ {
+		if err := s.oneStep(ctx); err != nil {
+			return err
+		}
+		if err := s.checkInFlight(ctx); err != nil {
+			return err
+		}
+		s.report.Steps = s.step
+	}
+	return s.quiesce(ctx)
+}
+
+// oneStep picks and does one thing.
+func (s *simulation) oneStep(ctx context.Context) error {
+	roll := s.rng.IntN(100)
+	switch {
+	case roll < 30 && len(s.actions) > 0:
+		return s.resume(ctx, pick(s, s.actions))
+	case roll < 55:
+		return s.clientRequest(ctx)
+	case roll < 85:
+		return s.workerPass(ctx)
+	case roll < 93:
+		s.jumpClock()
+		return nil
+	default:
+		return s.crash(ctx, pick(s, s.processes))
+	}
+}
+
+// jumpClock moves the clock: mostly a little, sometimes past every lease,
+// rarely past a key's expiry.
+func (s *simulation) jumpClock() {
+	var d time.Duration
+	switch roll := s.rng.IntN(100); {
+	case roll < 60:
+		d = time.Duration(1+s.rng.IntN(3000)) * time.Millisecond
+	case roll < 95:
+		d = s.app.leases.refundLock + time.Duration(s.rng.IntN(60))*time.Second
+	default:
+		d = idempotencyKeyTTL + time.Duration(1+s.rng.IntN(60))*time.Minute
+	}
+	s.clock.advance(d)
+	s.report.Counts.ClockJumps++
+	s.tracef("clock +%s", d)
+}
+
+// crash kills process: every action it was running returns errCrash from
+// where it waits and unwinds; the process "restarts" under the same name.
+func (s *simulation) crash(ctx context.Context, process *simProcess) error {
+	var victims []*simAction
+	for _, action := range s.actions {
+		if action.process == process {
+			victims = append(victims, action)
+		}
+	}
+	s.report.Counts.Crashes++
+	s.tracef("crash %s (%d actions in flight)", process.name, len(victims))
+	for _, action := range victims {
+		action.crashed = true
+		if err := s.resume(ctx, action); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// faultHook is the App's fault hook. Inside a transaction the action may
+// only go on or crash (it holds the write lock: nothing else could run).
+// Elsewhere it hands control back to the simulator and waits to be resumed.
+func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
+	action := s.current
+	if action == nil || s.quiescing {
+		return nil
+	}
+	if action.crashed {
+		return errCrash
+	}
+	if point == faultProcessorLoseResponse && s.chance(0.1) {
+		s.report.Counts.LostResponses++
+		return errors.New("connection reset")
+	}
+	if point.insideTransaction() {
+		if s.chance(0.03) {
+			action.crashed = true
+			s.report.Counts.Crashes++
+			return errCrash
+		}
+		return nil
+	}
+	action.waitingAt = point
+	action.suspendedAt = s.clock.now()
+	s.current = nil
+	if !action.yield(point) {
+		action.crashed = true
+	}
+	s.current = action
+	if action.crashed {
+		return errCrash
+	}
+	return nil
+}
+
+// start runs a new action until it first waits at a fault point or ends.
+func (s *simulation) start(ctx context.Context, action *simAction, body func(ctx context.Context)) error {
+	s.nextID++
+	action.id = s.nextID
+	action.next, action.stop = iter.Pull(func(yield func(faultPoint) bool) {
+		action.yield = yield
+		body(ctx)
+	})
+	s.actions = append(s.actions, action)
+	return s.resume(ctx, action)
+}
+
+// resume lets action go on until it waits at its next fault point or ends.
+func (s *simulation) resume(ctx context.Context, action *simAction) error {
+	if action.waitingAt != "" {
+		if s.clock.now().Sub(action.suspendedAt) >= s.app.leases.saga && !action.crashed {
+			s.report.Counts.Pauses++
+			s.tracef("a%d %s resumes after a pause of %s at %s", action.id, action.process.name,
+				s.clock.now().Sub(action.suspendedAt), action.waitingAt)
+		}
+	}
+	s.current = action
+	point, waiting := action.next()
+	s.current = nil
+	if waiting {
+		s.report.Counts.Suspensions++
+		s.tracef("a%d %s %s: waits at %s", action.id, action.process.name, action.what, point)
+		return nil
+	}
+	for i, a := range s.actions {
+		if a == action {
+			s.actions = append(s.actions[:i], s.actions[i+1:]...)
+			break
+		}
+	}
+	if action.request != nil {
+		return s.answered(ctx, action)
+	}
+	s.tracef("a%d %s %s: %s", action.id, action.process.name, action.what, action.result)
+	return nil
+}
+
+// workerPass starts one pass of one background job on a relay or worker.
+func (s *simulation) workerPass(ctx context.Context) error {
+	process := pick(s, s.processes[2:])
+	action := &simAction{process: process}
+	s.report.Counts.WorkerPasses++
+	if process.kind == "relay" {
+		action.what = "relayOnce"
+		return s.start(ctx, action, func(ctx context.Context) {
+			n, err := s.app.relayOnce(ctx, process.name, 4)
+			action.result = workerResult(n, "published", err)
+		})
+	}
+	consumers := s.app.consumers()
+	switch job := s.rng.IntN(5); job {
+	case 0, 1:
+		c := consumers[job]
+		action.what = "consumeOnce " + c.name
+		return s.start(ctx, action, func(ctx context.Context) {
+			results, err := s.app.consumeOnce(ctx, c, 4)
+			action.result = workerResult(len(results), "handled", err)
+		})
+	case 2:
+		action.what = "sagaOnce"
+		return s.start(ctx, action, func(ctx context.Context) {
+			n, err := s.app.sagaOnce(ctx, process.name, 2)
+			action.result = workerResult(n, "sagas run", err)
+		})
+	case 3:
+		action.what = "completeRefundsOnce"
+		return s.start(ctx, action, func(ctx context.Context) {
+			n, err := s.app.completeRefundsOnce(ctx, 4)
+			action.result = workerResult(n, "refunds finished", err)
+		})
+	default:
+		action.what = "cleanupOnce"
+		return s.start(ctx, action, func(ctx context.Context) {
+			result, err := s.app.cleanupOnce(ctx)
+			action.result = workerResult(result.Keys, "keys deleted", err)
+		})
+	}
+}
+
+// workerResult describes the outcome of a worker pass for the trace.
+func workerResult(n int, what string, err error) string {
+	if err != nil {
+		return fmt.Sprintf("%d %s, then %v", n, what, err)
+	}
+	return fmt.Sprintf("%d %s", n, what)
+}
+
+// clientRequest has a client send something: a new order, a retry of an
+// earlier request (after a timeout, or while it is still in flight: a
+// concurrent duplicate), a refund, an earlier key with another body, a
+// hostile body, or a signed webhook.
+func (s *simulation) clientRequest(ctx context.Context) error {
+	client := pick(s, s.clients)
+	var req *simRequest
+	switch roll := s.rng.IntN(100); {
+	case roll < 35 || len(client.requests) == 0:
+		req = s.newCreate(client)
+	case roll < 60:
+		req = pick(s, client.requests)
+		s.report.Counts.Retries++
+	case roll < 75 && len(client.orders) > 0:
+		req = s.newRefund(client, pick(s, client.orders))
+	case roll < 82:
+		// An earlier key with a different body: 422 while the key lives,
+		// a new request once it expired.
+		earlier := pick(s, client.requests)
+		if earlier.kind != "create" {
+			req = s.newCreate(client)
+			break
+		}
+		req = s.newCreate(client)
+		req.key = earlier.key
+	case roll < 90:
+		req = s.newHostile(client)
+	default:
+		req = s.newWebhook(client)
+		if req == nil {
+			req = s.newCreate(client)
+		}
+	}
+	if len(req.answers) == 0 && req.inFlight == 0 && !containsRequest(client.requests, req) {
+		client.requests = append(client.requests, req)
+	}
+	s.report.Counts.Requests++
+	req.inFlight++
+	process := pick(s, s.processes[:2])
+	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
+		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
+	return s.start(ctx, action, func(ctx context.Context) {
+		httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
+		httpReq.Header.Set("Content-Type", "application/json")
+		if req.kind == "webhook" {
+			httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now(), []byte(req.body)))
+		} else {
+			httpReq.Header.Set("Authorization", "Bearer "+client.apiKey)
+			httpReq.Header.Set("Idempotency-Key", req.key)
+		}
+		s.handler.ServeHTTP(action.recorder, httpReq)
+	})
+}
+
+// containsRequest reports whether requests holds req.
+func containsRequest(requests []*simRequest, req *simRequest) bool {
+	for _, r := range requests {
+		if r == req {
+			return true
+		}
+	}
+	return false
+}
+
+// newKey returns a fresh idempotency key of client's.
+func (s *simulation) newKey(client *simClient) string {
+	client.keys++
+	return fmt.Sprintf("%s-k%d", client.name, client.keys)
+}
+
+// newCreate returns a new create-order request: a good, declined or
+// timing-out card, and often the one unit of sku-rare.
+func (s *simulation) newCreate(client *simClient) *simRequest {
+	card := pick(s, []string{pmCardVisa, pmCardVisa, pmCardVisa, pmCardDeclined, pmCardTimeout})
+	sku := pick(s, []string{"sku-1", "sku-2", "sku-rare", "sku-rare"})
+	body := orderBodyJSON(int64(100*(1+s.rng.IntN(90))), sku, 1+s.rng.IntN(2), card)
+	return &simRequest{client: client, kind: "create", method: "POST", path: "/api/orders", key: s.newKey(client), body: body}
+}
+
+// orderBodyJSON is a create-order body.
+func orderBodyJSON(amount int64, sku string, qty int, paymentMethod string) string {
+	return fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[{"sku":%q,"qty":%d}],"payment_method":%q}`,
+		amount, sku, qty, paymentMethod)
+}
+
+// newRefund returns a refund of orderID: all that remains, or a part.
+func (s *simulation) newRefund(client *simClient, orderID string) *simRequest {
+	s.report.Counts.Refunds++
+	body := "{}"
+	if s.chance(0.6) {
+		body = fmt.Sprintf(`{"amount_cents":%d}`, 100*(1+s.rng.IntN(40)))
+	}
+	return &simRequest{client: client, kind: "refund", method: "POST", path: refundPath(orderID), key: s.newKey(client), body: body, orderID: orderID}
+}
+
+// newHostile returns a body that must be refused with 400 and leave
+// nothing behind: valid JSON whose meaning is ambiguous (a key twice, or
+// in two spellings) or that breaks a rule.
+func (s *simulation) newHostile(client *simClient) *simRequest {
+	s.report.Counts.Hostile++
+	bodies := []string{
+		`{"amount_cents":100,"AMOUNT_CENTS":999,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`,
+		`{"amount_cents":100,"amount_cents":999,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`,
+		`{"amount_cents":-5,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`,
+		`{"amount_cents":100,"currency":"usd","items":[{"sku":"sku-1","qty":1,"QTY":7}],"payment_method":"pm_card_visa"}`,
+		`{"amount_cents":9223372036854775807,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`,
+	}
+	return &simRequest{client: client, kind: "hostile", method: "POST", path: "/api/orders", key: s.newKey(client), body: pick(s, bodies)}
+}
+
+// newWebhook returns a signed charge.refunded event for a charge the
+// processor made: a new event of some amount (a good one, the remainder,
+// more than remains, absurd), or a redelivery of an earlier one. nil if
+// no charge exists yet.
+func (s *simulation) newWebhook(client *simClient) *simRequest {
+	if len(s.webhooks) > 0 && s.chance(0.3) {
+		s.report.Counts.Webhooks++
+		return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: pick(s, s.webhooks)}
+	}
+	var chargeID string
+	var amount, refunded int64
+	err := s.app.db.QueryRow(`
+		SELECT c.charge_id, c.amount_cents, c.refunded_cents
+		FROM processor_charges c JOIN orders o ON o.charge_id = c.charge_id
+		WHERE c.status = 'succeeded' ORDER BY c.charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &amount, &refunded)
+	if err != nil {
+		return nil
+	}
+	amounts := []int64{1, amount - refunded, amount - refunded + 1, 1 << 62}
+	body := string(chargeRefundedEvent(fmt.Sprintf("evt_sim_%d", len(s.webhooks)+1), chargeID,
+		fmt.Sprintf("re_sim_%d", len(s.webhooks)+1), pick(s, amounts)))
+	s.webhooks = append(s.webhooks, body)
+	s.report.Counts.Webhooks++
+	return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: body}
+}
+
+// answered records the answer of a finished client request and checks that
+// it is one the client may get. A request whose process crashed got no
+// answer: its client saw the connection drop.
+func (s *simulation) answered(ctx context.Context, action *simAction) error {
+	req := action.request
+	req.inFlight--
+	if action.crashed {
+		s.tracef("a%d %s %s: connection dropped", action.id, action.process.name, action.what)
+		return nil
+	}
+	answer := simAnswer{step: s.step, status: action.recorder.Code, body: action.recorder.Body.String(), at: s.clock.now()}
+	req.answers = append(req.answers, answer)
+	s.tracef("a%d %s %s: %d %s", action.id, action.process.name, action.what, answer.status, shorten(answer.body, 120))
+	if answer.status >= 500 && answer.status != http.StatusServiceUnavailable {
+		s.report.Counts.Answers5xx++
+		return s.fail("%s %s key %s got %d: %s", req.method, req.path, req.key, answer.status, answer.body)
+	}
+	switch req.kind {
+	case "hostile":
+		if answer.status != http.StatusBadRequest {
+			return s.fail("hostile body %s got %d, want 400: %s", req.body, answer.status, answer.body)
+		}
+	case "create":
+		if answer.status == http.StatusCreated {
+			orderID := orderField([]byte(answer.body), "order_id")
+			if orderID == "" {
+				return s.fail("a 201 without an order id: %s", answer.body)
+			}
+			if !containsString(req.client.orders, orderID) {
+				req.client.orders = append(req.client.orders, orderID)
+			}
+			// A 201 for the same key and body while the key lives is the
+			// first one again, byte for byte.
+			for _, earlier := range req.answers[:len(req.answers)-1] {
+				if earlier.status == http.StatusCreated && earlier.body != answer.body &&
+					answer.at.Sub(earlier.at) < idempotencyKeyTTL-s.app.leases.refundLock {
+					return s.fail("key %s of %s answered two different 201s within a day:\n  %s\n  %s",
+						req.key, req.client.user, earlier.body, answer.body)
+				}
+			}
+		}
+	case "refund":
+		if answer.status == http.StatusOK && orderField([]byte(answer.body), "refund_id") == "" {
+			return s.fail("a refund 200 without a refund id: %s", answer.body)
+		}
+	}
+	return nil
+}
+
+// shorten cuts s to n bytes for the trace.
+func shorten(s string, n int) string {
+	s = strings.TrimSpace(s)
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// containsString reports whether items holds item.
+func containsString(items []string, item string) bool {
+	for _, i := range items {
+		if i == item {
+			return true
+		}
+	}
+	return false
+}
+
+// checkInFlight runs check --in-flight.
+func (s *simulation) checkInFlight(ctx context.Context) error {
+	violations, err := s.auditor.audit(ctx, s.clock.now(), false)
+	if err != nil {
+		return fmt.Errorf("audit: %w", err)
+	}
+	if len(violations) > 0 {
+		return s.fail("invariant broken: %s: %s", violations[0].Invariant, violations[0].Detail)
+	}
+	return nil
+}
+
+// quiesce ends the run: no more faults; what waits goes on; clients retry
+// every request they got no definitive answer to; the workers run until
+// quiet; then the full check and the clients' view.
+func (s *simulation) quiesce(ctx context.Context) error {
+	s.quiescing = true
+	s.tracef("quiesce: no more faults")
+	for len(s.actions) > 0 {
+		if err := s.resume(ctx, s.actions[0]); err != nil {
+			return err
+		}
+	}
+	for round := 0; ; round++ {
+		if round == 50 {
+			return s.fail("the system did not settle after 50 rounds")
+		}
+		busy := false
+		for _, client := range s.clients {
+			for _, req := range client.requests {
+				if !undecided(req) {
+					continue
+				}
+				busy = true
+				if err := s.resend(ctx, req); err != nil {
+					return err
+				}
+			}
+		}
+		for _, process := range s.processes[2:] {
+			n, err := s.app.runWorkersOnce(ctx, process.name)
+			if err != nil {
+				return s.fail("workers while quiet: %v", err)
+			}
+			busy = busy || n > 0
+		}
+		if !busy {
+			break
+		}
+		// Past every lease and backoff.
+		s.clock.advance(2 * time.Minute)
+	}
+	violations, err := s.auditor.audit(ctx, s.clock.now(), true)
+	if err != nil {
+		return fmt.Errorf("audit: %w", err)
+	}
+	if len(violations) > 0 {
+		return s.fail("once quiet, invariant broken: %s: %s", violations[0].Invariant, violations[0].Detail)
+	}
+	return s.checkClientsAgainstDatabase(ctx)
+}
+
+// undecided reports whether the client still waits for a definitive answer
+// to req: none yet, or only "in progress" and "try again".
+func undecided(req *simRequest) bool {
+	if req.kind == "webhook" || req.kind == "hostile" {
+		return false
+	}
+	if len(req.answers) == 0 {
+		return true
+	}
+	last := req.answers[len(req.answers)-1]
+	if last.status == http.StatusServiceUnavailable {
+		return true
+	}
+	// 409s that say "not now": the key is busy, or the payment not settled.
+	// Other 409s (an order that cannot be refunded) are answers.
+	kind := problemType(orderField([]byte(last.body), "type"))
+	return last.status == http.StatusConflict && (kind == problemKeyInProgress || kind == problemPaymentPending)
+}
+
+// resend sends req again, synchronously, while quiet.
+func (s *simulation) resend(ctx context.Context, req *simRequest) error {
+	req.inFlight++
+	action := &simAction{process: s.processes[0], request: req, recorder: httptest.NewRecorder(),
+		what: fmt.Sprintf("%s retries %s %s key=%s", req.client.name, req.method, req.path, req.key)}
+	return s.start(ctx, action, func(ctx context.Context) {
+		httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
+		httpReq.Header.Set("Content-Type", "application/json")
+		httpReq.Header.Set("Authorization", "Bearer "+req.client.apiKey)
+		httpReq.Header.Set("Idempotency-Key", req.key)
+		s.handler.ServeHTTP(action.recorder, httpReq)
+	})
+}
+
+// checkClientsAgainstDatabase checks what clients were told against what
+// the database holds: each order a client got a 201 for exists once and is
+// its user's; every order made under a key was told to some client; every
+// refund a client got a 200 for succeeded with that amount; a hostile
+// request left no key behind.
+func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
+	told := map[string]bool{}
+	for _, client := range s.clients {
+		for _, orderID := range client.orders {
+			told[orderID] = true
+			var n int
+			var user string
+			err := s.app.db.QueryRowContext(ctx, `SELECT COUNT(*), MIN(user_id) FROM orders WHERE order_id = ?`, orderID).Scan(&n, &user)
+			if err != nil {
+				return fmt.Errorf("read order: %w", err)
+			}
+			if n != 1 || user != client.user {
+				return s.fail("%s was told of order %s, which exists %d times (user %q)", client.name, orderID, n, user)
+			}
+		}
+		for _, req := range client.requests {
+			for _, answer := range req.answers {
+				switch {
+				case req.kind == "refund" && answer.status == http.StatusOK:
+					refundID := orderField([]byte(answer.body), "refund_id")
+					var status string
+					err := s.app.db.QueryRowContext(ctx, `SELECT status FROM refunds WHERE refund_id = ?`, refundID).Scan(&status)
+					if err != nil || status != "succeeded" {
+						return s.fail("%s got 200 for refund %s, which is %q (%v)", client.name, refundID, status, err)
+					}
+				case req.kind == "hostile":
+					var n int
+					err := s.app.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
+						client.user, req.key).Scan(&n)
+					if err != nil || n != 0 {
+						return s.fail("hostile request under key %s left %d key rows (%v)", req.key, n, err)
+					}
+				}
+			}
+		}
+	}
+	rows, err := s.app.db.QueryContext(ctx, `SELECT order_id FROM orders ORDER BY order_id`)
+	if err != nil {
+		return fmt.Errorf("read orders: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var orderID string
+		if err := rows.Scan(&orderID); err != nil {
+			return fmt.Errorf("read orders: %w", err)
+		}
+		if !told[orderID] {
+			return s.fail("order %s exists, but no client was ever told of it", orderID)
+		}
+	}
+	return rows.Err()
+}
