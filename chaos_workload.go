@@ -27,10 +27,6 @@ import (
 	"time"
 )
 
-// problemKeyExpiredType is the answer to a refund whose key has expired:
-// running it again as new would refund twice.
-const problemKeyExpiredType = "/problems/idempotency-key-expired"
-
 // chaosRefundPlan is how a client refunds its order.
 type chaosRefundPlan int
 
@@ -651,9 +647,9 @@ func (r *chaosRun) reuseExpiredKeys(ctx context.Context, order *chaosOrder) {
 			r.violation("%s %s: reused expired refund key never got an answer: %v", order.userID, refund.key, err)
 			continue
 		}
-		if answer.status != http.StatusUnprocessableEntity || answer.problemType() != problemKeyExpiredType {
+		if answer.status != http.StatusUnprocessableEntity || answer.problemType() != string(problemKeyExpired) {
 			r.violation("%s %s: refund key reused after expiry answered %d %s; want 422 %s",
-				order.userID, refund.key, answer.status, answer.body, problemKeyExpiredType)
+				order.userID, refund.key, answer.status, answer.body, problemKeyExpired)
 			if answer.status == http.StatusOK {
 				r.checkRefundAnswer(order, refund.key, answer)
 			}
