@@ -511,7 +511,11 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	if runErr != nil {
 		runErr = fmt.Errorf("the load did not finish within %s", cfg.Duration)
 	} else {
-		runErr = waitQuiet(ctx, cfg.DBPath)
+		// Every lease and backoff of a settling system is seconds long; one
+		// that is not quiet after this is stuck, and waiting longer hides it.
+		quietCtx, cancelQuiet := context.WithTimeout(ctx, chaosGiveUp)
+		runErr = waitQuiet(quietCtx, cfg.DBPath)
+		cancelQuiet()
 	}
 	for _, p := range processes {
 		p.stop()
