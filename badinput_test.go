@@ -5,9 +5,12 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -117,6 +120,53 @@ func TestBadInputNeverGetsIn(t *testing.T) {
 		})
 	}
 
+	// Bodies that mean two things: encoding/json matches field names
+	// case-insensitively (with Unicode folding: "ſ" is an "s", the Kelvin
+	// sign a "k") and keeps the last of a repeated key, while the
+	// fingerprint keeps every spelling. Each is refused, naming the field,
+	// before a key is claimed: the refunds go to an order that does not
+	// exist, which would otherwise store a 404 under the key.
+	itemsOf := func(items string) string { return withField("items", items) }
+	orderWith := func(members string) string {
+		return `{` + members + `,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`
+	}
+	refundOfNothing := refundPath("ord_none")
+	ambiguous := []struct {
+		name, path, body string
+		field            string
+	}{
+		{"DuplicateAmount", "/api/orders", orderWith(`"amount_cents":100,"amount_cents":999`), "amount_cents"},
+		{"DuplicateAmountEscaped", "/api/orders", orderWith(`"amount_cents":100,"amount\u005fcents":999`), "amount_cents"},
+		{"CaseVariantAmount", "/api/orders", orderWith(`"AMOUNT_CENTS":999`), "AMOUNT_CENTS"},
+		{"AmountThenItsCaseVariant", "/api/orders", orderWith(`"amount_cents":100,"AMOUNT_CENTS":999`), "AMOUNT_CENTS"},
+		{"CaseVariantThenAmount", "/api/orders", orderWith(`"AMOUNT_CENTS":999,"amount_cents":100`), "AMOUNT_CENTS"},
+		{"LongSInAmount", "/api/orders", orderWith(`"amount_cent\u017f":999`), "amount_cent\u017f"},
+		{"DuplicateItems", "/api/orders", strings.Replace(valid, `"items":`, `"items":[{"sku":"sku-2","qty":9}],"items":`, 1), "items"},
+		{"DuplicateQtyInItem", "/api/orders", itemsOf(`[{"sku":"sku-1","qty":1,"qty":2}]`), "items[0].qty"},
+		{"CaseVariantSKU", "/api/orders", itemsOf(`[{"SKU":"sku-1","qty":1}]`), "items[0].SKU"},
+		{"KelvinSignInSKU", "/api/orders", itemsOf(`[{"s\u212au":"sku-1","qty":1}]`), "items[0].s\u212au"},
+		{"RefundDuplicateAmount", refundOfNothing, `{"amount_cents":4000,"amount_cents":100}`, "amount_cents"},
+		{"RefundAmountThenItsCaseVariant", refundOfNothing, `{"amount_cents":4000,"AMOUNT_CENTS":100}`, "AMOUNT_CENTS"},
+		{"RefundCaseVariantAmount", refundOfNothing, `{"Amount_Cents":100}`, "Amount_Cents"},
+	}
+	for _, tt := range ambiguous {
+		t.Run(tt.name, func(t *testing.T) {
+			got := call(t, ts, "POST", tt.path, keyUser42, "k-"+tt.name, tt.body)
+			var p problem
+			if err := json.Unmarshal([]byte(got.Body), &p); err != nil {
+				t.Fatalf("got %d %s, want a problem: %v", got.Status, got.Body, err)
+			}
+			// The field is named as the client spelled it.
+			var want string
+			if err := json.Unmarshal([]byte(`"`+tt.field+`"`), &want); err != nil {
+				t.Fatal(err)
+			}
+			if got.Status != 400 || p.Type != problemValidation || len(p.Errors) != 1 || p.Errors[0].Field != want {
+				t.Fatalf("got %d %s, want 400 %s naming %q", got.Status, got.Body, problemValidation, want)
+			}
+		})
+	}
+
 	if n := env.count(t, `SELECT (SELECT COUNT(*) FROM idempotency_keys) + (SELECT COUNT(*) FROM orders) + (SELECT COUNT(*) FROM outbox_events)`); n != 0 {
 		t.Fatalf("bad input stored %d rows", n)
 	}
@@ -147,9 +197,11 @@ func FuzzCanonicalJSON(f *testing.F) {
 		canonicalA, errA := canonicalJSON([]byte(a))
 		canonicalB, errB := canonicalJSON([]byte(b))
 		if errA != nil {
-			if utf8.ValidString(a) && json.Valid([]byte(a)) && !strings.Contains(a, "\x00") {
-				// Valid JSON may only be refused for trailing data, which
-				// json.Valid already rules out.
+			var repeated *invalidRequestError
+			if utf8.ValidString(a) && json.Valid([]byte(a)) && !strings.Contains(a, "\x00") && !errors.As(errA, &repeated) {
+				// Valid JSON may only be refused for a name repeated in
+				// one object, or for trailing data, which json.Valid
+				// already rules out.
 				t.Fatalf("canonicalJSON(%q) refused valid JSON: %v", a, errA)
 			}
 			return
@@ -257,4 +309,202 @@ func FuzzIdempotencyKeyHeader(f *testing.F) {
 			t.Fatalf("%q: key %q is not part of the header", value, key)
 		}
 	})
+}
+
+// Ensure two bodies with one fingerprint are one request: a retry with the
+// same key replays only an answer to the question it asked, and what runs
+// is what was fingerprinted.
+func TestSameFingerprintSameRequest(t *testing.T) {
+	// Ensure a body and its keys in the other order (one canonical form,
+	// so one fingerprint) can never be two orders that share one 201:
+	// a body that encoding/json reads differently from the fingerprint is
+	// refused before a key is claimed.
+	t.Run("CaseVariantOrdersAreRefusedNotReplayed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		rest := `"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"`
+		asks999 := `{"amount_cents":100,"AMOUNT_CENTS":999,` + rest + `}`
+		asks100 := `{"AMOUNT_CENTS":999,"amount_cents":100,` + rest + `}`
+		first := call(t, ts, "POST", "/api/orders", keyUser42, "k1", asks999)
+		second := call(t, ts, "POST", "/api/orders", keyUser42, "k1", asks100)
+		for _, got := range []response{first, second} {
+			if got.Status != 400 || problemTypeOf(t, got) != problemValidation || !strings.Contains(got.Body, `"field":"AMOUNT_CENTS"`) {
+				t.Fatalf("got %d %s then %d %s, want 400 %s naming AMOUNT_CENTS for both",
+					first.Status, first.Body, second.Status, second.Body, problemValidation)
+			}
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM idempotency_keys) + (SELECT COUNT(*) FROM orders)`); n != 0 {
+			t.Fatalf("stored %d rows", n)
+		}
+	})
+
+	// Ensure a refund body that asks for 100 in one reading and 4000 in the
+	// other refunds nothing; the client fixes it and the same key works.
+	t.Run("AmbiguousRefundRefundsNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		got := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":4000,"AMOUNT_CENTS":100}`)
+		if got.Status != 400 || problemTypeOf(t, got) != problemValidation || !strings.Contains(got.Body, `"field":"AMOUNT_CENTS"`) {
+			t.Fatalf("got %d %s, want 400 %s naming AMOUNT_CENTS", got.Status, got.Body, problemValidation)
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = 'r1') + (SELECT COUNT(*) FROM refunds) + (SELECT COUNT(*) FROM processor_refunds)`); n != 0 {
+			t.Fatalf("stored %d rows", n)
+		}
+		fixed := call(t, ts, "POST", refundPath(orderID), keyUser42, "r1", `{"amount_cents":100}`)
+		if fixed.Status != 200 || env.count(t, `SELECT refunded_cents FROM orders WHERE order_id = ?`, orderID) != 100 {
+			t.Fatalf("the fixed refund got %d %s, want 200 refunding 100", fixed.Status, fixed.Body)
+		}
+	})
+}
+
+// requestKind is one idempotent POST: its path and its body's decoder.
+type requestKind struct {
+	name   string
+	path   string
+	decode func(body []byte) (any, error)
+}
+
+// idempotentKinds returns the idempotent POSTs of the API.
+func idempotentKinds() []requestKind {
+	return []requestKind{
+		{"order", "/api/orders", func(body []byte) (any, error) { return decodeOrderRequest(body) }},
+		{"refund", refundPath("ord_1"), func(body []byte) (any, error) { return decodeRefundRequest(body) }},
+	}
+}
+
+// FuzzSameFingerprintSameRequest checks the promise an idempotency key
+// rests on: two bodies that decode and share a fingerprint decode to the
+// same request (so replaying one's answer to the other is right), and a
+// body decodes to the same request as its canonical form (the bytes whose
+// fingerprint is stored, and which the completer decodes later). Each body
+// is also compared with itself with every object's members reversed: same
+// canonical form, so it must be the same request.
+func FuzzSameFingerprintSameRequest(f *testing.F) {
+	rest := `"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"`
+	f.Add(`{"amount_cents":100,"AMOUNT_CENTS":999,`+rest+`}`, `{"AMOUNT_CENTS":999,"amount_cents":100,`+rest+`}`)
+	f.Add(`{"amount_cents":100,"amount_cents":999,`+rest+`}`, `{"amount_cents":999,`+rest+`}`)
+	f.Add(`{"amount_cents":100,"amount\u005fcents":999,`+rest+`}`, `{"amount_cents":999,`+rest+`}`)
+	f.Add(`{"amount_cents":999,"amount_cent\u017f":100,`+rest+`}`, `{"amount_cent\u017f":100,"amount_cents":999,`+rest+`}`)
+	f.Add(`{"amount_cents":5,"currency":"usd","items":[{"sku":"sku-1","qty":1,"QTY":7}],"payment_method":"pm_card_visa"}`,
+		`{"amount_cents":5,"currency":"usd","items":[{"QTY":7,"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`)
+	f.Add(`{"amount_cents":4000,"AMOUNT_CENTS":100}`, `{"AMOUNT_CENTS":100,"amount_cents":4000}`)
+	f.Add(`{"amount_cents":4000,"amount_cents":100}`, `{"amount_cents":100}`)
+	f.Add(orderBody(5000, "sku-1", 2, pmCardVisa), ` {"payment_method":"pm_card_visa", "items":[{"qty":2,"sku":"sku-1"}], "currency":"usd", "amount_cents":5000}`)
+	f.Add(`{}`, `null`)
+	f.Fuzz(func(t *testing.T, a, b string) {
+		for _, kind := range idempotentKinds() {
+			fingerprintA, requestA, okA := fingerprintAndDecode(t, kind, a)
+			fingerprintB, requestB, okB := fingerprintAndDecode(t, kind, b)
+			if okA && okB && fingerprintA == fingerprintB && !reflect.DeepEqual(requestA, requestB) {
+				t.Fatalf("%s bodies %q and %q share fingerprint %s but decode to %s and %s",
+					kind.name, a, b, fingerprintA, jsonOf(requestA), jsonOf(requestB))
+			}
+			reversed, ok := reverseMembers(a)
+			if !ok {
+				continue
+			}
+			fingerprintR, requestR, okR := fingerprintAndDecode(t, kind, reversed)
+			if okA && okR && (fingerprintA != fingerprintR || !reflect.DeepEqual(requestA, requestR)) {
+				t.Fatalf("%s body %q and its reverse %q: fingerprints %s and %s, requests %s and %s",
+					kind.name, a, reversed, fingerprintA, fingerprintR, jsonOf(requestA), jsonOf(requestR))
+			}
+			if okA != okR {
+				t.Fatalf("%s body %q decodes (%v) but its reverse %q does not, or the other way round (%v)",
+					kind.name, a, okA, reversed, okR)
+			}
+		}
+	})
+}
+
+// fingerprintAndDecode returns body's fingerprint and the request it
+// decodes to, and false if either step refuses it. It fails the test if the
+// body and its canonical form decode differently.
+func fingerprintAndDecode(t *testing.T, kind requestKind, body string) (string, any, bool) {
+	t.Helper()
+	canonical, err := canonicalJSON([]byte(body))
+	if err != nil {
+		return "", nil, false
+	}
+	fromBody, errBody := kind.decode([]byte(body))
+	fromCanonical, errCanonical := kind.decode(canonical)
+	if (errBody == nil) != (errCanonical == nil) || !reflect.DeepEqual(fromBody, fromCanonical) {
+		t.Fatalf("%s body %q decodes to %s (%v), its canonical form %s to %s (%v)",
+			kind.name, body, jsonOf(fromBody), errBody, canonical, jsonOf(fromCanonical), errCanonical)
+	}
+	if errCanonical != nil {
+		return "", nil, false
+	}
+	req := idempotentRequest{Method: "POST", Path: kind.path, CanonicalBody: canonical}
+	return req.fingerprint(), fromCanonical, true
+}
+
+// jsonOf shows a decoded request, pointers followed, for a failure message.
+func jsonOf(request any) string {
+	encoded, err := json.Marshal(request)
+	if err != nil {
+		return fmt.Sprintf("%+v (%v)", request, err)
+	}
+	return string(encoded)
+}
+
+// reverseMembers returns body with the members of every object in reverse
+// order, repeated names kept; false if body is not one valid UTF-8 JSON
+// value.
+func reverseMembers(body string) (string, bool) {
+	if !utf8.ValidString(body) {
+		return "", false
+	}
+	decoder := json.NewDecoder(strings.NewReader(body))
+	decoder.UseNumber()
+	reversed, err := reverseValue(decoder)
+	if err != nil {
+		return "", false
+	}
+	if _, err := decoder.Token(); err != io.EOF {
+		return "", false
+	}
+	return reversed, true
+}
+
+// reverseValue reads one value from decoder and writes it with its objects'
+// members reversed.
+func reverseValue(decoder *json.Decoder) (string, error) {
+	token, err := decoder.Token()
+	if err != nil {
+		return "", err
+	}
+	delim, ok := token.(json.Delim)
+	if !ok {
+		encoded, err := json.Marshal(token)
+		return string(encoded), err
+	}
+	var parts []string
+	for decoder.More() {
+		part := ""
+		if delim == '{' {
+			name, err := decoder.Token()
+			if err != nil {
+				return "", err
+			}
+			encodedName, err := json.Marshal(name)
+			if err != nil {
+				return "", err
+			}
+			part = string(encodedName) + ":"
+		}
+		value, err := reverseValue(decoder)
+		if err != nil {
+			return "", err
+		}
+		parts = append(parts, part+value)
+	}
+	if _, err := decoder.Token(); err != nil {
+		return "", err
+	}
+	if delim == '{' {
+		slices.Reverse(parts)
+		return "{" + strings.Join(parts, ",") + "}", nil
+	}
+	return "[" + strings.Join(parts, ",") + "]", nil
 }

@@ -4,7 +4,12 @@
 //   - dedupe on publish by message id (like JetStream's Nats-Msg-Id), so a
 //     relay that publishes an event twice stores it once;
 //   - at-least-once delivery to each subscriber, never exactly-once;
-//   - redelivery when a delivery is not acked within ackWait, with a count.
+//   - redelivery when a delivery is not acked within ackWait, with a count,
+//     and without limit: the inbox, not the broker, decides when a message
+//     is poison (see receiveIn);
+//   - a fetch is a lease on the delivery until ackWait passes, and its
+//     delivery_count is the lease's fencing token: only the latest holder's
+//     ack or nak takes effect.
 //
 // Being in the same file does not make it transactional with the outbox:
 // publish runs in its own transaction, exactly as a network call would.
@@ -14,6 +19,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -38,9 +44,20 @@ type delivery struct {
 	Seq int64
 	// DeliveryCount is 1 on the first delivery, more on redeliveries.
 	DeliveryCount int
+	// Malformed, if set, says why the broker could not make a message of
+	// what it delivered (natsBroker: no Nats-Msg-Id header, so nothing
+	// could deduplicate it). ID is then made up by the broker; the
+	// consumer records it as poison under that id, and ack terminates it.
+	Malformed error
 	// natsMsg is the JetStream message to ack, with natsBroker.
 	natsMsg jetstream.Msg
 }
+
+// errDeliveryLeaseLost is returned by the embedded broker's ack and nak when
+// the delivery was fetched again since the caller fetched it (its lease,
+// ackWait, passed and another fetch took it): the ack or nak is refused,
+// so that it cannot end or move the new holder's lease.
+var errDeliveryLeaseLost = errors.New("the delivery was handed to another fetch since; ack or nak refused")
 
 // messageBroker is what the relay and the consumers need from a broker. It
 // has two implementations: embeddedBroker (this file, the default) and
@@ -51,9 +68,12 @@ type messageBroker interface {
 	// publishBatch publishes msgs, deduplicated by message id, and returns
 	// once the broker has them all.
 	publishBatch(ctx context.Context, msgs []message) error
-	// fetch hands up to max due messages to subscriber.
+	// fetch hands up to max due messages to subscriber, each until its
+	// ackWait passes; a message not acked by then is delivered again, as
+	// often as it takes (the inbox, not the broker, gives up on a message).
 	fetch(ctx context.Context, subscriber string, max int) ([]delivery, error)
-	// ack tells the broker the deliveries were handled.
+	// ack tells the broker the deliveries were handled; a Malformed one is
+	// terminated.
 	ack(ctx context.Context, deliveries ...delivery) error
 	// nak asks for d again after delay.
 	nak(ctx context.Context, d delivery, delay time.Duration) error
@@ -185,36 +205,72 @@ func (b *embeddedBroker) fetch(ctx context.Context, subscriber string, max int) 
 
 // ack tells the broker these deliveries were handled: they are not
 // delivered again. One statement acks a whole batch.
+//
+// Each ack is fenced by the delivery count that the caller's fetch
+// returned: a caller paused past ackWait, whose message another fetch has
+// taken since, acks nothing. Acking would be harmless to the message (the
+// paused caller acks only after its transaction committed, so the inbox
+// row is there and the new holder's run is a duplicate), but it would end
+// the new holder's lease under it, and its own ack would then fail; one
+// rule for ack and nak is easier to trust, and a stale nak is not harmless
+// (see nak). Nothing is lost by refusing: the new holder acks. Returns
+// errDeliveryLeaseLost, wrapped, if any delivery was refused; the others
+// are acked.
 func (b *embeddedBroker) ack(ctx context.Context, deliveries ...delivery) error {
 	if len(deliveries) == 0 {
 		return nil
 	}
-	seqs := make([]any, 0, len(deliveries)+2)
-	seqs = append(seqs, formatTime(b.now()), deliveries[0].Subscriber)
-	for _, d := range deliveries {
+	args := make([]any, 0, 2*len(deliveries)+2)
+	args = append(args, formatTime(b.now()), deliveries[0].Subscriber)
+	fenced := make([]string, len(deliveries))
+	for i, d := range deliveries {
 		if d.Subscriber != deliveries[0].Subscriber {
 			return fmt.Errorf("bug: one ack for two subscribers (%s, %s)", deliveries[0].Subscriber, d.Subscriber)
 		}
-		seqs = append(seqs, d.Seq)
+		fenced[i] = `(message_seq = ? AND delivery_count = ?)`
+		args = append(args, d.Seq, d.DeliveryCount)
 	}
-	_, err := b.db.ExecContext(ctx, `
+	acked, err := b.db.ExecContext(ctx, `
 		UPDATE broker_deliveries SET status = 'acked', acked_at = ?
-		WHERE subscriber = ? AND status = 'pending' AND message_seq IN (`+placeholders(len(deliveries))+`)`,
-		seqs...)
+		WHERE subscriber = ? AND status = 'pending'
+		  -- delivery_count is the fencing token: a fetch since ours raised it.
+		  AND (`+strings.Join(fenced, " OR ")+`)`,
+		args...)
 	if err != nil {
 		return fmt.Errorf("ack %d deliveries for %s: %w", len(deliveries), deliveries[0].Subscriber, err)
+	}
+	n, err := acked.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("ack %d deliveries for %s: %w", len(deliveries), deliveries[0].Subscriber, err)
+	}
+	if int(n) != len(deliveries) {
+		return fmt.Errorf("ack for %s: %d of %d deliveries: %w", deliveries[0].Subscriber, len(deliveries)-int(n), len(deliveries), errDeliveryLeaseLost)
 	}
 	return nil
 }
 
 // nak tells the broker d failed for now: deliver it again after delay.
+//
+// Fenced like ack, by d's delivery count: a caller paused past ackWait
+// whose message another fetch has taken since must not move visible_at,
+// which is now the new holder's lease; a nak with a short delay would hand
+// the message to a third consumer while the second still works on it.
+// Returns errDeliveryLeaseLost, wrapped, if refused.
 func (b *embeddedBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
-	_, err := b.db.ExecContext(ctx, `
+	naked, err := b.db.ExecContext(ctx, `
 		UPDATE broker_deliveries SET visible_at = ?
-		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'`,
-		formatTime(b.now().Add(delay)), d.Subscriber, d.Seq)
+		WHERE subscriber = ? AND message_seq = ? AND status = 'pending'
+		  AND delivery_count = ? -- the fencing token, as in ack`,
+		formatTime(b.now().Add(delay)), d.Subscriber, d.Seq, d.DeliveryCount)
 	if err != nil {
 		return fmt.Errorf("nak %s for %s: %w", d.ID, d.Subscriber, err)
+	}
+	n, err := naked.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("nak %s for %s: %w", d.ID, d.Subscriber, err)
+	}
+	if n != 1 {
+		return fmt.Errorf("nak %s for %s (delivery %d): %w", d.ID, d.Subscriber, d.DeliveryCount, errDeliveryLeaseLost)
 	}
 	return nil
 }

@@ -74,13 +74,22 @@ func (r idempotentRequest) fingerprint() string {
 // different requests; the decoder rejects the second anyway). It returns an
 // error if body is not exactly one JSON value or not valid UTF-8: the decoder
 // would silently replace bad bytes, and two different bodies would then look
-// alike.
+// alike. For the same reason it returns an *invalidRequestError naming a key
+// that appears twice in one object: decoding keeps only the last, so
+// {"a":1,"a":2} and {"a":2} would share a fingerprint.
+//
+// The canonical form is what is fingerprinted, stored and decoded, now and
+// by the completer: a name the request decoder would fold onto a field
+// ("AMOUNT_CENTS") is kept apart here, and decodeStrict refuses it.
 func canonicalJSON(body []byte) ([]byte, error) {
 	if !utf8.Valid(body) {
 		return nil, errors.New("body is not valid UTF-8")
 	}
 	if !json.Valid(body) {
 		return nil, errors.New("body is not valid JSON")
+	}
+	if err := checkNames(body, nil); err != nil {
+		return nil, err
 	}
 	decoder := json.NewDecoder(bytes.NewReader(body))
 	decoder.UseNumber()

@@ -31,12 +31,13 @@ const (
 	// inboxDuplicate: the consumer had applied this message before; nothing
 	// ran, and the message is acked so the broker stops redelivering it.
 	inboxDuplicate inboxOutcome = "duplicate"
-	// inboxPoison: the message fails for a permanent reason, or failed
-	// maxDeliveries times; recorded with its error for an operator, and
-	// acked so it stops looping.
+	// inboxPoison: the message fails for a permanent reason, or the
+	// consumer's own code failed on it maxDeliveries times (the inbox's
+	// count, not the broker's); recorded with its error for an operator,
+	// and acked so it stops looping.
 	inboxPoison inboxOutcome = "poison"
-	// inboxRetry: a transient failure; not acked, the broker delivers it
-	// again later.
+	// inboxRetry: a transient failure, counted in inbox_failures; naked,
+	// the broker delivers it again after consumeBackoff.
 	inboxRetry inboxOutcome = "retry"
 )
 
@@ -93,20 +94,38 @@ func (a *App) subscribeConsumers(ctx context.Context) error {
 	return nil
 }
 
+// noFailureLimit, passed as receiveIn's maxFailures, means that transient
+// failures never make a message poison. It is for a sender that retries on
+// its own schedule and decides itself when to give up: the card processor
+// retries a webhook that got a 5xx for days, and a webhook made poison
+// after a few 503s (a refund still being recorded, errRefundInFlight) would
+// be acknowledged and its refund never counted.
+const noFailureLimit = 0
+
 // receiveResult is what receive did with one message.
 type receiveResult struct {
 	MessageID string
 	Outcome   inboxOutcome
 	// Err is why the message became poison or will be retried.
 	Err error
+	// Failures is how many transient failures of the consumer's own code
+	// the inbox has counted for this message (inbox_failures), this one
+	// included; 0 unless Outcome is retry or poison.
+	Failures int
 }
 
-// receive applies one message in a transaction of its own; see receiveIn.
+// receive applies one message in a transaction of its own, for a sender
+// that retries on its own schedule and gives up on its own (the processor's
+// webhooks): its transient failures are counted but never make the message
+// poison (noFailureLimit), the caller answers them with a 5xx. A permanent
+// failure is poison at once. See receiveIn. Broker consumers go through
+// consumeOnce, which gives up after maxDeliveries failures instead: the
+// broker itself never gives up.
 func (a *App) receive(ctx context.Context, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	var result receiveResult
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 		var err error
-		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, apply)
+		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
 	return result, err
@@ -120,16 +139,24 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 //
 // The message runs in its own SAVEPOINT, so a consumer can put a whole batch
 // in one transaction and a failing message undoes only its own writes. A
-// permanent failure, or a transient one on the maxDeliveries-th delivery,
-// records the message as poison (for this consumer only). Returns an error
-// only when the process must stop (errCrash) or the inbox could not be
-// written; the caller's transaction must then roll back.
-func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+// permanent failure records the message as poison (for this consumer only).
+// A transient one is counted in inbox_failures, in tx, after the savepoint
+// is rolled back; the maxFailures-th counted failure records poison
+// (noFailureLimit: never). deliveryCount, the broker's count, is only
+// written down: it also counts deliveries whose transaction failed, so it
+// cannot say how often the message itself failed.
+//
+// Returns an error only when tx must roll back: the process must stop
+// (errCrash), our side failed (the context ended, the database was busy or
+// must retry the transaction), or the inbox could not be written. Nothing
+// is counted then, so an outage of any length uses up no message's tries.
+func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	result := receiveResult{MessageID: messageID}
+	now := a.now()
 	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
 		return result, fmt.Errorf("savepoint: %w", err)
 	}
-	err := recordAndApply(ctx, tx, consumerName, messageID, deliveryCount, a.now(), apply, &result)
+	err := recordAndApply(ctx, tx, consumerName, messageID, deliveryCount, now, apply, &result)
 	if err != nil {
 		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
 			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
@@ -143,20 +170,60 @@ func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID
 		return result, nil
 	case errors.Is(err, errCrash):
 		return result, err
+	case ctx.Err() != nil:
+		// We are stopping (shut down, past a deadline): the transaction
+		// cannot commit, and the message did nothing wrong.
+		return result, err
 	case dialectOf(a.db).retryTx(err):
 		// PostgreSQL failed the transaction to keep it serializable: it
 		// must roll back and run again (withTx does), not count as this
 		// message's failure.
 		return result, err
-	case isPermanent(err) || deliveryCount >= maxDeliveries:
+	case isBusy(err):
+		// Another transaction held the database: our side, not the
+		// message. The batch fails and comes back; nothing is counted.
+		return result, err
+	case isPermanent(err):
 		result.Outcome = inboxPoison
 		result.Err = err
-		return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, err, a.now())
+		return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, err, now)
 	default:
+		failures, countErr := countFailure(ctx, tx, consumerName, messageID, err, now)
+		if countErr != nil {
+			return result, countErr
+		}
+		result.Failures = failures
+		if maxFailures != noFailureLimit && failures >= maxFailures {
+			result.Outcome = inboxPoison
+			result.Err = fmt.Errorf("failed %d times, the last time: %w", failures, err)
+			return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, result.Err, now)
+		}
 		result.Outcome = inboxRetry
 		result.Err = err
 		return result, nil
 	}
+}
+
+// countFailure adds one to the failures counted for messageID at
+// consumerName and returns the new count. It runs in the caller's
+// transaction, after the message's own writes were rolled back to its
+// savepoint: if that transaction fails too, the failure is not counted,
+// because it was ours (the database, the process), not the message's.
+func countFailure(ctx context.Context, tx *sql.Tx, consumerName, messageID string, cause error, now time.Time) (int, error) {
+	var failures int
+	err := tx.QueryRowContext(ctx, `
+		INSERT INTO inbox_failures (consumer, message_id, failures, last_error, last_failed_at)
+		VALUES (?, ?, 1, ?, ?)
+		ON CONFLICT (consumer, message_id) DO UPDATE
+		SET failures = inbox_failures.failures + 1,
+		    last_error = excluded.last_error,
+		    last_failed_at = excluded.last_failed_at
+		RETURNING failures`,
+		consumerName, messageID, cause.Error(), formatTime(now)).Scan(&failures)
+	if err != nil {
+		return 0, fmt.Errorf("count failure of message %s for %s: %w", messageID, consumerName, err)
+	}
+	return failures, nil
 }
 
 // recordAndApply inserts the inbox row and, if it is new, applies the
@@ -205,18 +272,36 @@ func recordPoison(ctx context.Context, tx *sql.Tx, consumerName, messageID strin
 	return nil
 }
 
-// consumeBackoff is how long a message that failed transiently waits before
-// its next delivery: 1s, 2s, 4s ...
-func consumeBackoff(deliveryCount int) time.Duration {
-	return time.Second << min(deliveryCount-1, 8)
+// consumeBackoff is how long a message whose consumer failed transiently
+// for the failures-th time waits before its next delivery: 1s, 2s, 4s ...
+func consumeBackoff(failures int) time.Duration {
+	return time.Second << min(max(failures, 1)-1, 8)
 }
+
+// failedBatchRedelivery is how soon the messages of a batch whose
+// transaction failed are delivered again. Short, because they did nothing
+// wrong; the consume loop backs off after a failed pass anyway
+// (startLoop), so a database that stays down is not hammered.
+const failedBatchRedelivery = time.Second
+
+// nakTimeout bounds the naks of a failed batch, which run even when ctx has
+// ended (see consumeOnce): a process that shuts down must not hang on them.
+const nakTimeout = 5 * time.Second
 
 // consumeOnce fetches one batch for c and puts each message through the
 // inbox, all in one transaction with a savepoint per message: one commit
 // per batch. Applied, duplicate and poison messages are then acked;
-// messages that failed transiently are not, and come back after
-// consumeBackoff. A crash before the acks only means the broker delivers
-// the batch again, and the inbox skips it.
+// messages that failed transiently are naked with consumeBackoff. A crash
+// before the acks only means the broker delivers the batch again, and the
+// inbox skips it.
+//
+// If the batch transaction fails (the database down or busy, ctx ended),
+// nothing of it is recorded, not even a failure count, and every delivery
+// is naked so that it comes back after failedBatchRedelivery instead of
+// ackWait: the broker redelivers without limit (natsBroker sets MaxDeliver
+// -1), so the outage uses up nothing. Returns the batch's error, joined with
+// any nak's. After a commit, returns errDeliveryLeaseLost (wrapped) if a
+// delivery was handed to another fetch meanwhile; what was committed stands.
 func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
 	deliveries, err := a.broker.fetch(ctx, c.name, max)
 	if err != nil || len(deliveries) == 0 {
@@ -226,7 +311,17 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
 		results = nil
 		for _, d := range deliveries {
-			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, func(tx *sql.Tx) error {
+			if d.Malformed != nil {
+				// The broker could not make a message of it (no id to
+				// deduplicate by): poison for this consumer, under the id
+				// the broker made up, so an operator sees it.
+				results = append(results, receiveResult{MessageID: d.ID, Outcome: inboxPoison, Err: d.Malformed})
+				if err := recordPoison(ctx, tx, c.name, d.ID, d.DeliveryCount, d.Malformed, a.now()); err != nil {
+					return err
+				}
+				continue
+			}
+			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
 				return c.apply(ctx, tx, d.message)
 			})
 			if err != nil {
@@ -237,14 +332,21 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		if errors.Is(err, errCrash) {
+			// A dead process naks nothing: its deliveries come back after
+			// ackWait.
+			return nil, err
+		}
+		return nil, errors.Join(err, a.nakFailedBatch(ctx, deliveries))
 	}
 	var handled []delivery
+	var errs []error
 	for i, d := range deliveries {
 		switch results[i].Outcome {
 		case inboxRetry:
-			if err := a.broker.nak(ctx, d, consumeBackoff(d.DeliveryCount)); err != nil {
-				return results, err
+			if err := a.broker.nak(ctx, d, consumeBackoff(results[i].Failures)); err != nil {
+				// One refused nak must not keep the others' acks back.
+				errs = append(errs, err)
 			}
 		case inboxApplied, inboxDuplicate, inboxPoison:
 			if err := a.fault.at(ctx, faultAfterEffect); err != nil {
@@ -256,7 +358,23 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 	}
 	if err := a.broker.ack(ctx, handled...); err != nil {
-		return results, err
+		errs = append(errs, err)
 	}
-	return results, nil
+	return results, errors.Join(errs...)
+}
+
+// nakFailedBatch naks every delivery of a batch whose transaction failed,
+// best effort: a nak that fails only means that delivery comes back after
+// ackWait. It runs even if ctx has ended (a shutdown cancelled the batch),
+// because that is when another process should get the messages soon.
+func (a *App) nakFailedBatch(ctx context.Context, deliveries []delivery) error {
+	nakCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), nakTimeout)
+	defer cancel()
+	var errs []error
+	for _, d := range deliveries {
+		if err := a.broker.nak(nakCtx, d, failedBatchRedelivery); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }

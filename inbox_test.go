@@ -4,11 +4,27 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 )
+
+// outagePass runs one consume pass of c whose batch transaction cannot
+// commit: c's effect cancels the pass's context, as a shutdown does, or a
+// database that stops answering. The message is not at fault. Returns what
+// consumeOnce returned.
+func outagePass(ctx context.Context, env *testEnv, c consumer) ([]receiveResult, error) {
+	passCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	c.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+		cancel()
+		return ctx.Err()
+	}
+	return env.app.consumeOnce(passCtx, c, 10)
+}
 
 // countingEffect returns an inbox effect that adds one to a counter row, and
 // a function that reads the counter: an effect that is visibly not
@@ -132,9 +148,11 @@ func TestInbox(t *testing.T) {
 		}
 	})
 
-	// Ensure a transient failure is not acked and comes back, and becomes
-	// poison after maxDeliveries.
-	t.Run("TransientFailureComesBackThenPoison", func(t *testing.T) {
+	// Ensure a message on which our own code fails transiently comes back
+	// and becomes poison on the maxDeliveries-th failure the inbox counted,
+	// however often the broker delivered it before (here twice into a batch
+	// transaction that failed): the broker's count includes our outages.
+	t.Run("TransientFailuresOfOurCodeBecomePoisonAfterMaxDeliveries", func(t *testing.T) {
 		env := MustOpenApp(t)
 		if err := env.app.broker.subscribe(ctx, "flaky", "Ping"); err != nil {
 			t.Fatal(err)
@@ -145,8 +163,14 @@ func TestInbox(t *testing.T) {
 		var calls atomic.Int32
 		flaky := consumer{name: "flaky", subjects: []string{"Ping"}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
 			calls.Add(1)
-			return errors.New("database is locked")
+			return errors.New("stock service unavailable")
 		}}
+		for range 2 {
+			if _, err := outagePass(ctx, env, flaky); err == nil {
+				t.Fatal("the outage pass succeeded")
+			}
+			env.clock.advance(env.app.leases.ackWait)
+		}
 		var outcomes []inboxOutcome
 		for range 20 {
 			results, err := env.app.consumeOnce(ctx, flaky, 10)
@@ -159,14 +183,134 @@ func TestInbox(t *testing.T) {
 			env.clock.advance(time.Minute)
 		}
 		want := []inboxOutcome{inboxRetry, inboxRetry, inboxRetry, inboxRetry, inboxPoison}
-		if len(outcomes) != len(want) || outcomes[4] != inboxPoison || outcomes[0] != inboxRetry {
-			t.Fatalf("got %v, want %v", outcomes, want)
+		if fmt.Sprint(outcomes) != fmt.Sprint(want) || calls.Load() != maxDeliveries {
+			t.Fatalf("got %v after %d failures of our code, want %v after %d", outcomes, calls.Load(), want, maxDeliveries)
 		}
-		if calls.Load() != maxDeliveries {
-			t.Fatalf("applied %d times, want %d", calls.Load(), maxDeliveries)
+		if got := env.str(t, `SELECT status || ':' || error FROM inbox_messages WHERE consumer = 'flaky'`); got != "poison:failed 5 times, the last time: stock service unavailable" {
+			t.Fatalf("the inbox row is %q", got)
+		}
+		if got := env.count(t, `SELECT failures FROM inbox_failures WHERE consumer = 'flaky' AND message_id = 'msg-1'`); got != maxDeliveries {
+			t.Fatalf("counted %d failures, want %d", got, maxDeliveries)
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM broker_deliveries WHERE status = 'acked'`); got != 1 {
 			t.Fatalf("poison was not acked")
+		}
+	})
+
+	// Ensure a database outage longer than maxDeliveries deliveries (every
+	// batch transaction fails) uses up none of a message's tries: afterwards
+	// one transient failure of our own code is a retry, not poison, and
+	// every order's saga starts exactly once.
+	t.Run("OutageDoesNotUseUpDeliveries", func(t *testing.T) {
+		env := MustOpenApp(t)
+		for i := range 3 {
+			mustCreateOrder(t, env, "user-42", fmt.Sprintf("k%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+		}
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		for pass := range maxDeliveries + 1 {
+			results, err := outagePass(ctx, env, payments)
+			if err == nil || len(results) != 0 {
+				t.Fatalf("outage pass %d: got %v, %v; want the batch to fail", pass+1, results, err)
+			}
+			env.clock.advance(env.app.leases.ackWait)
+		}
+		if got := env.count(t, `SELECT MIN(delivery_count) FROM broker_deliveries WHERE subscriber = ?`, paymentServiceConsumer); got <= maxDeliveries {
+			t.Fatalf("the outage delivered each message at least %d times, want more than %d", got, maxDeliveries)
+		}
+		var failed atomic.Bool
+		failOnce := payments
+		failOnce.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+			if failed.CompareAndSwap(false, true) {
+				return errors.New("stock service unavailable")
+			}
+			return payments.apply(ctx, tx, msg)
+		}
+		results, err := env.app.consumeOnce(ctx, failOnce, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outcomes := map[inboxOutcome]int{}
+		for _, r := range results {
+			outcomes[r.Outcome]++
+		}
+		if outcomes[inboxRetry] != 1 || outcomes[inboxApplied] != 2 {
+			t.Fatalf("after the outage got %v, want one retry and two applied", outcomes)
+		}
+		env.clock.advance(consumeBackoff(1))
+		if results, err := env.app.consumeOnce(ctx, payments, 10); err != nil || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("the retry got %v, %v; want applied", results, err)
+		}
+		if got := env.str(t, `SELECT string_agg(status, ',') FROM inbox_messages`); got != "done,done,done" {
+			t.Fatalf("inbox rows: %s, want three done", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != 3 {
+			t.Fatalf("got %d sagas, want 3", got)
+		}
+		env.drain(t)
+		if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'paid'`); got != 3 {
+			t.Fatalf("%d of 3 orders paid", got)
+		}
+		mustAudit(t, env, true)
+	})
+
+	// Ensure the deliveries of a batch whose transaction failed are naked:
+	// they come back after failedBatchRedelivery, not after ackWait.
+	t.Run("FailedBatchComesBackWithoutWaitingOutAckWait", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		if _, err := outagePass(ctx, env, payments); err == nil {
+			t.Fatal("the outage pass succeeded")
+		}
+		env.clock.advance(failedBatchRedelivery)
+		if results, err := env.app.consumeOnce(ctx, payments, 10); err != nil || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("got %v, %v; want the message back and applied", results, err)
+		}
+	})
+
+	// Ensure a webhook on which our code fails transiently is answered 503
+	// however often the processor sends it, and is never made poison: the
+	// processor retries for days, and a poison webhook would lose its refund.
+	t.Run("WebhookTransientFailureIsNeverPoison", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		env.fault.crashAt(faultRefundAfterProcessor)
+		req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+		if _, err := env.app.refundOrder(ctx, req, orderID, refund); !errors.Is(err, errCrash) {
+			t.Fatalf("got %v, want the crash", err)
+		}
+		env.restart(t)
+		ts = newTestServer(t, env)
+		chargeID := env.str(t, `SELECT charge_id FROM orders`)
+		refundID := env.str(t, `SELECT refund_id FROM processor_refunds`)
+		body := chargeRefundedEvent("evt_early", chargeID, refundID, 2000)
+		for i := range 3 * maxDeliveries {
+			early := postWebhook(t, ts, body, signWebhook([]byte(testWebhookSecret), env.clock.now(), body))
+			if early.Status != 503 {
+				t.Fatalf("delivery %d of the early webhook got %d %s, want 503", i+1, early.Status, early.Body)
+			}
+			env.clock.advance(time.Second)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?`, webhookConsumer); got != 0 {
+			t.Fatalf("the webhook has %d inbox rows, want none until it applies", got)
+		}
+		env.clock.advance(env.app.leases.refundLock)
+		if n, err := env.app.completeRefundsOnce(ctx, 10); err != nil || n != 1 {
+			t.Fatalf("completer finished %d, %v; want 1", n, err)
+		}
+		again := postWebhook(t, ts, body, signWebhook([]byte(testWebhookSecret), env.clock.now(), body))
+		if again.Status != 200 || !strings.Contains(again.Body, `"applied"`) {
+			t.Fatalf("the webhook after the refund got %d %s, want 200 applied", again.Status, again.Body)
+		}
+		if got := env.count(t, `SELECT refunded_cents FROM orders`); got != 2000 {
+			t.Fatalf("refunded_cents %d, want 2000", got)
 		}
 	})
 
@@ -204,6 +348,42 @@ func TestInbox(t *testing.T) {
 		}
 	})
 
+	// Ensure a consumer paused after its commit, past ackWait, while another
+	// takes the message over, applies it once: the other's run is a
+	// duplicate and acks, and the paused consumer's late ack is refused
+	// (errDeliveryLeaseLost) without undoing anything.
+	t.Run("ConsumerPausedPastAckWaitAppliesOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		var takenOver []receiveResult
+		var takeOverErr error
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultAfterEffect && pass == 1 {
+				// A is paused between its commit and its ack.
+				env.clock.advance(env.app.leases.ackWait)
+				takenOver, takeOverErr = env.app.consumeOnce(ctx, payments, 10)
+			}
+			return nil
+		})
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if !errors.Is(err, errDeliveryLeaseLost) || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("A got %v, %v; want applied and its late ack refused", results, err)
+		}
+		if takeOverErr != nil || len(takenOver) != 1 || takenOver[0].Outcome != inboxDuplicate {
+			t.Fatalf("B got %v, %v; want one duplicate", takenOver, takeOverErr)
+		}
+		if got := env.str(t, `SELECT status || ':' || delivery_count FROM broker_deliveries WHERE subscriber = ?`, paymentServiceConsumer); got != "acked:2" {
+			t.Fatalf("the delivery is %s, want acked by B's delivery 2", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != 1 {
+			t.Fatalf("got %d sagas, want 1", got)
+		}
+	})
+
 	// Ensure the message id is the outbox event id from end to end: broker
 	// message id and inbox message id (the sample's demo hand-built one).
 	t.Run("MessageIDIsTheEventID", func(t *testing.T) {
@@ -216,6 +396,49 @@ func TestInbox(t *testing.T) {
 			JOIN inbox_messages i ON i.message_id = e.event_id`)
 		if want := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != want || want != 2 {
 			t.Fatalf("got %d events traceable by id through broker and inbox, want %d (OrderCreated, PaymentCaptured)", got, want)
+		}
+	})
+}
+
+func TestEmbeddedBroker(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a consumer paused past ackWait, whose message another consumer
+	// has fetched since, can neither ack nor nak the other's delivery (the
+	// delivery count fences both), and the other's ack stands.
+	t.Run("StaleHolderCannotAckOrNakTheNextDelivery", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := env.app.broker
+		if err := broker.subscribe(ctx, "billing", "Ping"); err != nil {
+			t.Fatal(err)
+		}
+		if err := broker.publishBatch(ctx, []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}}); err != nil {
+			t.Fatal(err)
+		}
+		a, err := broker.fetch(ctx, "billing", 1)
+		if err != nil || len(a) != 1 {
+			t.Fatalf("A fetched %v, %v", a, err)
+		}
+		env.clock.advance(env.app.leases.ackWait)
+		b, err := broker.fetch(ctx, "billing", 1)
+		if err != nil || len(b) != 1 || b[0].DeliveryCount != 2 {
+			t.Fatalf("B fetched %v, %v; want the second delivery", b, err)
+		}
+		if err := broker.ack(ctx, a[0]); !errors.Is(err, errDeliveryLeaseLost) {
+			t.Fatalf("A's stale ack got %v, want errDeliveryLeaseLost", err)
+		}
+		if err := broker.nak(ctx, a[0], 0); !errors.Is(err, errDeliveryLeaseLost) {
+			t.Fatalf("A's stale nak got %v, want errDeliveryLeaseLost", err)
+		}
+		if c, err := broker.fetch(ctx, "billing", 1); err != nil || len(c) != 0 {
+			t.Fatalf("a third fetch during B's lease got %v, %v; want nothing", c, err)
+		}
+		if err := broker.ack(ctx, b[0]); err != nil {
+			t.Fatalf("B's ack: %v", err)
+		}
+		env.clock.advance(env.app.leases.ackWait)
+		if c, err := broker.fetch(ctx, "billing", 1); err != nil || len(c) != 0 {
+			t.Fatalf("after B's ack a fetch got %v, %v; want nothing", c, err)
 		}
 	})
 }

@@ -73,6 +73,7 @@ func newRootCommand() *cobra.Command {
 		newSignWebhookCommand(),
 		newCheckCommand(),
 		newChaosCommand(),
+		newSimulateCommand(),
 	)
 	return root
 }

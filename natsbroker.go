@@ -7,12 +7,20 @@
 //     second copy through, and the consumers' inboxes absorb it: the window
 //     is an optimisation, the inbox is the guarantee.
 //   - Each (consumer, subject) is a durable pull consumer with explicit
-//     acks, AckWait and MaxDeliver = maxDeliveries. (One durable per
+//     acks, AckWait and MaxDeliver unlimited (-1). (One durable per
 //     subject, because servers before 2.10 take one filter subject per
 //     consumer; events of one order never span two subjects' ordering
-//     needs here.) The inbox records a message as poison
-//     on its last delivery, so nothing loops for ever and nothing silently
-//     stops being delivered either.
+//     needs here.) A MaxDeliver of its own would count deliveries whose
+//     transaction failed on our side (the database down for longer than
+//     MaxDeliver x AckWait) and then silently never deliver the message
+//     again. The inbox counts the failures of our own code instead
+//     (inbox_failures) and records the message as poison on the
+//     maxDeliveries-th, then acks it: nothing loops for ever, and nothing
+//     stops being delivered without a record.
+//   - A message without Nats-Msg-Id (not published by our relay) cannot be
+//     deduplicated. It is handed to the consumer as Malformed under the id
+//     nats-seq-<stream>-<sequence>, recorded as poison and terminated; the
+//     rest of its batch is handled as usual.
 //   - The stream and the consumers are created if missing.
 
 package main
@@ -102,7 +110,9 @@ func (b *natsBroker) subject(eventType string) string {
 }
 
 // subscribe creates or updates subscriber's durable pull consumers, one
-// per subject.
+// per subject. A durable created by an older version with MaxDeliver 5 is
+// updated in place to MaxDeliver -1 (JetStream allows that edit; the
+// consumer keeps its position and pending acks).
 func (b *natsBroker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
 	var durables []string
 	for _, subject := range subjects {
@@ -112,7 +122,9 @@ func (b *natsBroker) subscribe(ctx context.Context, subscriber string, subjects 
 			FilterSubject: b.subject(subject),
 			AckPolicy:     jetstream.AckExplicitPolicy,
 			AckWait:       b.ackWait,
-			MaxDeliver:    maxDeliveries,
+			// Unlimited: see the file comment; the inbox gives up, not
+			// the broker.
+			MaxDeliver:    -1,
 			DeliverPolicy: jetstream.DeliverAllPolicy,
 		})
 		if err != nil {
@@ -185,9 +197,14 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 				return nil, fmt.Errorf("message metadata: %w", err)
 			}
 			id := natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			var malformed error
 			if id == "" {
-				// Not one of ours: nothing could deduplicate it.
-				return nil, fmt.Errorf("message %d on %s has no %s header", metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader)
+				// Not one of ours: nothing could deduplicate it. Failing
+				// the fetch would fail its batch-mates with it, for ever;
+				// the consumer records it as poison instead.
+				id = fmt.Sprintf("nats-seq-%s-%d", b.stream, metadata.Sequence.Stream)
+				malformed = permanent(fmt.Errorf("message %d on %s has no %s header, so nothing could deduplicate it",
+					metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader))
 			}
 			deliveries = append(deliveries, delivery{
 				message: message{
@@ -198,6 +215,7 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 				Subscriber:    subscriber,
 				Seq:           int64(metadata.Sequence.Stream),
 				DeliveryCount: int(metadata.NumDelivered),
+				Malformed:     malformed,
 				natsMsg:       natsMsg,
 			})
 		}
@@ -209,11 +227,27 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 }
 
 // ack acknowledges each delivery and waits for the server to confirm it, so
-// that a returned nil means the message will not come back.
+// that a returned nil means the message will not come back. A Malformed
+// delivery is terminated instead (Term, which the server does not confirm;
+// TermWithReason would do nothing on servers before 2.10.4), so that it
+// never loops.
+//
+// Unlike the embedded broker's, this ack is not fenced: JetStream acks the
+// message, not the delivery, so a consumer paused past AckWait acks the
+// delivery another consumer fetched since (seen on nats-server 2.9). That is
+// harmless here because consumeOnce acks only after its transaction
+// committed: the inbox row is there, the other consumer's run is a
+// duplicate, and its own ack still succeeds.
 func (b *natsBroker) ack(ctx context.Context, deliveries ...delivery) error {
 	for _, d := range deliveries {
 		if d.natsMsg == nil {
 			return fmt.Errorf("bug: ack of %s without its NATS message", d.ID)
+		}
+		if d.Malformed != nil {
+			if err := d.natsMsg.Term(); err != nil {
+				return fmt.Errorf("terminate %s for %s: %w", d.ID, d.Subscriber, err)
+			}
+			continue
 		}
 		if err := d.natsMsg.DoubleAck(ctx); err != nil {
 			return fmt.Errorf("ack %s for %s: %w", d.ID, d.Subscriber, err)
@@ -223,6 +257,12 @@ func (b *natsBroker) ack(ctx context.Context, deliveries ...delivery) error {
 }
 
 // nak asks JetStream to deliver d again after delay.
+//
+// Not fenced either: a nak from a consumer paused past AckWait moves the
+// redelivery of the delivery another consumer fetched since, so a third
+// may get the message while the second still works on it. The inbox makes
+// that safe, not the broker: both insert the inbox row first, in the
+// effect's transaction, so one applies and the other finds a duplicate.
 func (b *natsBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
 	if d.natsMsg == nil {
 		return fmt.Errorf("bug: nak of %s without its NATS message", d.ID)

@@ -5,9 +5,13 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // natsStreamCounter keeps the streams of one test process apart.
@@ -53,6 +57,53 @@ func streamMessages(tb testing.TB, broker *natsBroker) uint64 {
 		tb.Fatal(err)
 	}
 	return info.State.Msgs
+}
+
+// deliveryRecorder is a messageBroker that remembers the highest delivery
+// count fetched of each message, so that a test can wait until the broker
+// has delivered a message again.
+type deliveryRecorder struct {
+	messageBroker
+	mu      sync.Mutex
+	highest map[string]int
+}
+
+// fetch fetches from the wrapped broker and records what came.
+func (r *deliveryRecorder) fetch(ctx context.Context, subscriber string, limit int) ([]delivery, error) {
+	deliveries, err := r.messageBroker.fetch(ctx, subscriber, limit)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, d := range deliveries {
+		r.highest[d.ID] = max(r.highest[d.ID], d.DeliveryCount)
+	}
+	return deliveries, err
+}
+
+// allDeliveredMoreThan reports whether want messages were fetched, each
+// more than n times, and returns the highest delivery counts.
+func (r *deliveryRecorder) allDeliveredMoreThan(want, n int) (bool, string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	done := len(r.highest) == want
+	for _, count := range r.highest {
+		done = done && count > n
+	}
+	return done, fmt.Sprint(r.highest)
+}
+
+// consumerInfo returns the state of a durable consumer of broker's stream.
+func consumerInfo(tb testing.TB, broker *natsBroker, durable string) *jetstream.ConsumerInfo {
+	tb.Helper()
+	ctx := context.Background()
+	consumer, err := broker.js.Consumer(ctx, broker.stream, durable)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	info, err := consumer.Info(ctx)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return info
 }
 
 func TestNATSBroker(t *testing.T) {
@@ -130,9 +181,10 @@ func TestNATSBroker(t *testing.T) {
 		}
 	})
 
-	// Ensure a message that keeps failing stops at MaxDeliver as poison in
-	// the inbox, acknowledged, instead of looping.
-	t.Run("MaxDeliverEndsAsPoison", func(t *testing.T) {
+	// Ensure a message on which our code keeps failing ends as poison in the
+	// inbox after maxDeliveries counted failures, acknowledged, instead of
+	// looping.
+	t.Run("TransientFailuresOfOurCodeEndAsPoison", func(t *testing.T) {
 		env := MustOpenApp(t)
 		broker := useTestNATS(t, env, time.Second)
 		flaky := consumer{name: "flaky", subjects: []string{"Ping"}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
@@ -168,6 +220,207 @@ func TestNATSBroker(t *testing.T) {
 		}
 		if info.NumAckPending != 0 || info.NumPending != 0 {
 			t.Fatalf("consumer still has %d pending acks and %d pending messages", info.NumAckPending, info.NumPending)
+		}
+	})
+
+	// Ensure a database outage longer than MaxDeliver x AckWait (every
+	// batch transaction fails) loses nothing: JetStream keeps delivering,
+	// and once the database is back every message is applied exactly once,
+	// none poison, and every order is paid. (With MaxDeliver 5, JetStream
+	// stopped delivering after the fifth failed batch: no saga, the order
+	// created for ever.)
+	t.Run("OutageLongerThanMaxDeliverLosesNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		const orders = 3
+		for i := range orders {
+			mustCreateOrder(t, env, "user-42", fmt.Sprintf("k%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+		}
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		recorder := &deliveryRecorder{messageBroker: broker, highest: map[string]int{}}
+		env.app.broker = recorder
+		payments := env.app.consumers()[0]
+		started := time.Now()
+		deadline := started.Add(30 * time.Second)
+		for {
+			done, highest := recorder.allDeliveredMoreThan(orders, maxDeliveries)
+			if done {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("after %s of outage the highest delivery counts are %s; want each of %d messages delivered more than %d times",
+					time.Since(started).Round(time.Second), highest, orders, maxDeliveries)
+			}
+			if results, err := outagePass(ctx, env, payments); len(results) != 0 {
+				t.Fatalf("an outage pass got %v, %v; want the batch to fail", results, err)
+			}
+		}
+		t.Logf("outage of %s", time.Since(started).Round(100*time.Millisecond))
+		deadline = time.Now().Add(30 * time.Second)
+		for env.count(t, `SELECT COUNT(*) FROM inbox_messages`) < orders {
+			if time.Now().After(deadline) {
+				t.Fatalf("after the outage only %d of %d messages were applied", env.count(t, `SELECT COUNT(*) FROM inbox_messages`), orders)
+			}
+			results, err := env.app.consumeOnce(ctx, payments, 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range results {
+				if r.Outcome != inboxApplied {
+					t.Fatalf("after the outage %s got %s (%v), want applied", r.MessageID, r.Outcome, r.Err)
+				}
+			}
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_failures`); got != 0 {
+			t.Fatalf("the outage counted %d failures against messages, want none", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != orders {
+			t.Fatalf("got %d sagas, want %d", got, orders)
+		}
+		env.app.broker = broker
+		env.drain(t)
+		if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'paid'`); got != orders {
+			t.Fatalf("%d of %d orders paid", got, orders)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE status = 'poison'`); got != 0 {
+			t.Fatalf("%d poison messages, want none", got)
+		}
+		mustAudit(t, env, true)
+	})
+
+	// Ensure a message without Nats-Msg-Id (not published by our relay) is
+	// recorded as poison under an id naming its stream sequence and
+	// terminated, while the rest of its batch is applied (it used to fail
+	// the whole fetch, for ever).
+	t.Run("MessageWithoutMsgIDDoesNotFailItsBatch", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := broker.js.Publish(ctx, broker.subject(eventOrderCreated), []byte(`{"order_id":"ord_elsewhere"}`)); err != nil {
+			t.Fatal(err)
+		}
+		mustCreateOrder(t, env, "user-42", "k2", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outcomes := map[inboxOutcome]int{}
+		for _, r := range results {
+			outcomes[r.Outcome]++
+		}
+		if outcomes[inboxApplied] != 2 || outcomes[inboxPoison] != 1 {
+			t.Fatalf("got %v, want two applied and one poison", results)
+		}
+		rawID := fmt.Sprintf("nats-seq-%s-1", broker.stream)
+		poison := env.str(t, `SELECT error FROM inbox_messages WHERE consumer = ? AND message_id = ? AND status = 'poison'`, paymentServiceConsumer, rawID)
+		if !strings.Contains(poison, "no Nats-Msg-Id header") {
+			t.Fatalf("the poison row of %s says %q, want the missing header named", rawID, poison)
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			info := consumerInfo(t, broker, paymentServiceConsumer+"_"+eventOrderCreated)
+			if info.NumAckPending == 0 && info.NumPending == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the consumer still has %d pending acks and %d pending messages", info.NumAckPending, info.NumPending)
+			}
+			if results, err := env.app.consumeOnce(ctx, payments, 10); err != nil || len(results) != 0 {
+				t.Fatalf("a later pass got %v, %v; want nothing", results, err)
+			}
+		}
+	})
+
+	// Ensure a durable consumer created with MaxDeliver 5 (by an older
+	// version) is updated to unlimited deliveries when the consumer
+	// subscribes, keeping its position and pending acks.
+	t.Run("ConsumerCreatedWithMaxDeliverFiveIsUpdated", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		durable := "legacy_Ping"
+		_, err := broker.js.CreateConsumer(ctx, broker.stream, jetstream.ConsumerConfig{
+			Durable:       durable,
+			FilterSubject: broker.subject("Ping"),
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       time.Second,
+			MaxDeliver:    5,
+			DeliverPolicy: jetstream.DeliverAllPolicy,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := broker.publishBatch(ctx, []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}}); err != nil {
+			t.Fatal(err)
+		}
+		legacy, err := broker.js.Consumer(ctx, broker.stream, durable)
+		if err != nil {
+			t.Fatal(err)
+		}
+		batch, err := legacy.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range batch.Messages() {
+		}
+		if err := broker.subscribe(ctx, "legacy", "Ping"); err != nil {
+			t.Fatalf("subscribe over the old consumer: %v", err)
+		}
+		info := consumerInfo(t, broker, durable)
+		if info.Config.MaxDeliver != -1 {
+			t.Fatalf("MaxDeliver is %d after subscribe, want -1", info.Config.MaxDeliver)
+		}
+		if info.Delivered.Stream != 1 || info.NumAckPending != 1 {
+			t.Fatalf("the updated consumer delivered up to %d with %d acks pending, want 1 and 1", info.Delivered.Stream, info.NumAckPending)
+		}
+	})
+
+	// Ensure a consumer paused after its commit, past AckWait, while another
+	// consumer takes the message over, applies it once: JetStream does not
+	// fence the late ack (see natsBroker.ack), and it does no harm, because
+	// the inbox row was committed first and the second run is a duplicate.
+	t.Run("ConsumerPausedPastAckWaitAppliesOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		var takenOver []receiveResult
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point != faultAfterEffect || pass != 1 {
+				return nil
+			}
+			// A is paused between its commit and its ack; B fetches the
+			// message once AckWait has passed.
+			deadline := time.Now().Add(10 * time.Second)
+			for len(takenOver) == 0 && time.Now().Before(deadline) {
+				results, err := env.app.consumeOnce(ctx, payments, 10)
+				if err != nil {
+					return err
+				}
+				takenOver = results
+			}
+			return nil
+		})
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if err != nil || len(results) != 1 || results[0].Outcome != inboxApplied {
+			t.Fatalf("A got %v, %v; want applied and its late ack accepted", results, err)
+		}
+		if len(takenOver) != 1 || takenOver[0].Outcome != inboxDuplicate {
+			t.Fatalf("B got %v, want one duplicate", takenOver)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances`); got != 1 {
+			t.Fatalf("got %d sagas, want 1", got)
+		}
+		if info := consumerInfo(t, broker, paymentServiceConsumer+"_"+eventOrderCreated); info.NumAckPending != 0 || info.NumPending != 0 {
+			t.Fatalf("the consumer still has %d pending acks and %d pending messages", info.NumAckPending, info.NumPending)
 		}
 	})
 }

@@ -92,16 +92,23 @@ func invalidField(field, detail string) error {
 	return &invalidRequestError{Errors: []fieldError{{Field: field, Detail: detail}}}
 }
 
-// decodeStrict decodes body into dst, rejecting unknown fields and trailing
-// data, and turns the decoder's errors into ones that name the field.
+// decodeStrict decodes body, a JSON object, into dst, rejecting unknown
+// fields and trailing data, and turns the decoder's errors into ones that
+// name the field. Field names must match exactly, and each may appear once
+// (see checkNames): encoding/json would take "AMOUNT_CENTS" for
+// "amount_cents" and keep the last of two, so a body could mean one thing
+// to the decoder and another to the fingerprint or to a reader.
 func decodeStrict(body []byte, dst any) error {
+	if err := checkNames(body, reflect.TypeOf(dst)); err != nil {
+		return err
+	}
 	decoder := json.NewDecoder(bytes.NewReader(body))
 	decoder.DisallowUnknownFields()
 	if err := decoder.Decode(dst); err != nil {
 		var typeErr *json.UnmarshalTypeError
 		var syntaxErr *json.SyntaxError
 		switch {
-		case errors.As(err, &typeErr) && typeErr.Field != "" && typeErr.Value == "number" && typeErr.Type.Kind() == reflect.Int64:
+		case errors.As(err, &typeErr) && typeErr.Field != "" && strings.HasPrefix(typeErr.Value, "number") && typeErr.Type.Kind() == reflect.Int64:
 			return invalidField(typeErr.Field, "must be a whole number within range")
 		case errors.As(err, &typeErr) && typeErr.Field != "":
 			return invalidField(typeErr.Field, fmt.Sprintf("must be %s, not a JSON %s", jsonTypeName(typeErr.Type.Kind().String()), typeErr.Value))
@@ -122,6 +129,129 @@ func decodeStrict(body []byte, dst any) error {
 		return invalidField("body", "has data after the JSON object")
 	}
 	return nil
+}
+
+// checkNames walks the JSON value in body and returns an
+// *invalidRequestError naming the first member that the decoder would read
+// differently from the fingerprint (canonicalJSON) or from a person:
+//   - a name that appears twice in one object, at any depth: the decoder
+//     silently keeps the last one;
+//   - where shape says an object is decoded into a struct, a name that is
+//     not exactly one of its fields' JSON names. The decoder would match
+//     one that differs only in case, folding with Unicode's rules ("ſ" is
+//     an "s", the Kelvin sign a "k"), while the fingerprint keeps every
+//     spelling apart and sorts them: which of two spellings wins would
+//     depend on the order of the members;
+//   - a body that is not an object, when shape is a struct: the decoder
+//     would take null as an empty request.
+//
+// shape is the type the body is decoded into, or nil to check only for
+// repeated names. Fields of embedded structs are not looked at: no request
+// type has any. A body that is not valid JSON returns nil, so that the
+// decoder reports it with its position.
+func checkNames(body []byte, shape reflect.Type) error {
+	decoder := json.NewDecoder(bytes.NewReader(body))
+	err := checkValueNames(decoder, "", shape)
+	var invalid *invalidRequestError
+	if errors.As(err, &invalid) {
+		return err
+	}
+	return nil
+}
+
+// checkValueNames checks the next value of decoder, found at path, which is
+// decoded into shape (nil if unknown). See checkNames.
+func checkValueNames(decoder *json.Decoder, path string, shape reflect.Type) error {
+	for shape != nil && shape.Kind() == reflect.Pointer {
+		shape = shape.Elem()
+	}
+	token, err := decoder.Token()
+	if err != nil {
+		return err
+	}
+	delim, isDelim := token.(json.Delim)
+	isStruct := shape != nil && shape.Kind() == reflect.Struct
+	if path == "" && isStruct && delim != '{' {
+		return invalidField("body", "must be a JSON object")
+	}
+	if !isDelim {
+		return nil
+	}
+	if delim == '[' {
+		var elemShape reflect.Type
+		if shape != nil && (shape.Kind() == reflect.Slice || shape.Kind() == reflect.Array) {
+			elemShape = shape.Elem()
+		}
+		for i := 0; decoder.More(); i++ {
+			if err := checkValueNames(decoder, fmt.Sprintf("%s[%d]", path, i), elemShape); err != nil {
+				return err
+			}
+		}
+		_, err := decoder.Token() // ]
+		return err
+	}
+	seen := map[string]bool{}
+	for decoder.More() {
+		token, err := decoder.Token()
+		if err != nil {
+			return err
+		}
+		name, _ := token.(string) // the decoder has checked that it is one
+		field := name
+		if path != "" {
+			field = path + "." + name
+		}
+		if seen[name] {
+			return invalidField(field, "appears twice; send each field once")
+		}
+		seen[name] = true
+		var memberShape reflect.Type
+		if isStruct {
+			var exact bool
+			var spelled string
+			memberShape, exact, spelled = structField(shape, name)
+			switch {
+			case !exact && spelled != "":
+				return invalidField(field, fmt.Sprintf("unknown field; names are case-sensitive: did you mean %q?", spelled))
+			case !exact:
+				// The decoder would refuse it too, unless its idea of
+				// matching is looser than bytes.EqualFold: decide here.
+				return invalidField(field, "unknown field")
+			}
+		}
+		if err := checkValueNames(decoder, field, memberShape); err != nil {
+			return err
+		}
+	}
+	_, err = decoder.Token() // }
+	return err
+}
+
+// structField looks up the member name among the fields of the struct
+// type shape as encoding/json names them. It returns the field's type and
+// true if a field has exactly that name; otherwise, the name of a field
+// that encoding/json would match anyway, by folding case, if there is one.
+func structField(shape reflect.Type, name string) (reflect.Type, bool, string) {
+	spelled := ""
+	for i := range shape.NumField() {
+		field := shape.Field(i)
+		tag := field.Tag.Get("json")
+		if !field.IsExported() || tag == "-" {
+			continue
+		}
+		fieldName, _, _ := strings.Cut(tag, ",")
+		if fieldName == "" {
+			fieldName = field.Name
+		}
+		if fieldName == name {
+			return field.Type, true, ""
+		}
+		// bytes.EqualFold is the fold encoding/json matches names with.
+		if spelled == "" && bytes.EqualFold([]byte(fieldName), []byte(name)) {
+			spelled = fieldName
+		}
+	}
+	return nil, false, spelled
 }
 
 // jsonTypeName names a Go kind the way a JSON client thinks of it.

@@ -266,22 +266,32 @@ func readJSONBody(w http.ResponseWriter, r *http.Request, emptyAs string) ([]byt
 // idempotentRequestFrom reads what every idempotent POST needs: the key and
 // the canonical body. It writes the problem and returns false if either is
 // unusable.
-func idempotentRequestFrom(w http.ResponseWriter, r *http.Request, userID, emptyBody string) (idempotentRequest, []byte, bool) {
+//
+// The body as sent is not returned: handlers decode req.CanonicalBody, the
+// bytes whose fingerprint is stored and which the completer decodes if the
+// request dies, so that the request that runs, now or later, is the one the
+// key was claimed for.
+func idempotentRequestFrom(w http.ResponseWriter, r *http.Request, userID, emptyBody string) (idempotentRequest, bool) {
 	key, keyProblem := idempotencyKeyFrom(r)
 	if keyProblem != nil {
 		writeProblem(w, *keyProblem)
-		return idempotentRequest{}, nil, false
+		return idempotentRequest{}, false
 	}
 	body, bodyProblem := readJSONBody(w, r, emptyBody)
 	if bodyProblem != nil {
 		writeProblem(w, *bodyProblem)
-		return idempotentRequest{}, nil, false
+		return idempotentRequest{}, false
 	}
 	canonical, err := canonicalJSON(body)
 	if err != nil {
+		fields := []fieldError{{Field: "body", Detail: err.Error()}}
+		var invalid *invalidRequestError
+		if errors.As(err, &invalid) {
+			fields = invalid.Errors
+		}
 		writeProblem(w, problem{Type: problemValidation, Title: "Invalid request", Status: 400,
-			Detail: err.Error(), Errors: []fieldError{{Field: "body", Detail: err.Error()}}})
-		return idempotentRequest{}, nil, false
+			Detail: err.Error(), Errors: fields})
+		return idempotentRequest{}, false
 	}
 	return idempotentRequest{
 		UserID:         userID,
@@ -289,16 +299,16 @@ func idempotentRequestFrom(w http.ResponseWriter, r *http.Request, userID, empty
 		Method:         r.Method,
 		Path:           r.URL.Path,
 		CanonicalBody:  canonical,
-	}, body, true
+	}, true
 }
 
 // handleCreateOrder is POST /api/orders.
 func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userID string) {
-	req, body, ok := idempotentRequestFrom(w, r, userID, "")
+	req, ok := idempotentRequestFrom(w, r, userID, "")
 	if !ok {
 		return
 	}
-	order, err := decodeOrderRequest(body)
+	order, err := decodeOrderRequest(req.CanonicalBody)
 	if err == nil {
 		err = checkSKUs(r.Context(), s.app.db, order.Items)
 	}
@@ -316,11 +326,11 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 
 // handleRefund is POST /api/orders/{id}/refund.
 func (s *server) handleRefund(w http.ResponseWriter, r *http.Request, userID string) {
-	req, body, ok := idempotentRequestFrom(w, r, userID, "{}")
+	req, ok := idempotentRequestFrom(w, r, userID, "{}")
 	if !ok {
 		return
 	}
-	refund, err := decodeRefundRequest(body)
+	refund, err := decodeRefundRequest(req.CanonicalBody)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -398,7 +408,8 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemKeyInProgress, Title: "Request in progress", Status: http.StatusConflict,
 			Detail: "a request with this Idempotency-Key is in progress; retry later for its result"})
-	case isBusy(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded), errors.Is(err, errRefundInFlight):
+	case isBusy(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded), errors.Is(err, errRefundInFlight),
+		errors.Is(err, errPaymentNotRecorded):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemUnavailable, Title: "Temporarily unavailable", Status: http.StatusServiceUnavailable,
 			Detail: "a transient failure, no outcome was stored; retry with the same Idempotency-Key"})

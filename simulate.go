@@ -45,6 +45,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/spf13/cobra"
 )
 
 // simOptions are the settings of one simulated run.
@@ -488,7 +490,7 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	case roll < 90:
 		req = s.newHostile(client)
 	default:
-		req = s.newWebhook(client)
+		req = s.newWebhook(ctx, client)
 		if req == nil {
 			req = s.newCreate(client)
 		}
@@ -502,15 +504,7 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
 		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
 	return s.start(ctx, action, func(ctx context.Context) {
-		httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
-		httpReq.Header.Set("Content-Type", "application/json")
-		if req.kind == "webhook" {
-			httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now(), []byte(req.body)))
-		} else {
-			httpReq.Header.Set("Authorization", "Bearer "+client.apiKey)
-			httpReq.Header.Set("Idempotency-Key", req.key)
-		}
-		s.handler.ServeHTTP(action.recorder, httpReq)
+		s.send(ctx, action)
 	})
 }
 
@@ -570,27 +564,39 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 	return &simRequest{client: client, kind: "hostile", method: "POST", path: "/api/orders", key: s.newKey(client), body: pick(s, bodies)}
 }
 
-// newWebhook returns a signed charge.refunded event for a charge the
-// processor made: a new event of some amount (a good one, the remainder,
-// more than remains, absurd), or a redelivery of an earlier one. nil if
-// no charge exists yet.
-func (s *simulation) newWebhook(client *simClient) *simRequest {
+// newWebhook returns a signed charge.refunded event, as the processor sends
+// it: mostly for a refund really made at its dashboard (of one cent, or of
+// all that remains), sometimes a redelivery of an earlier event, and
+// sometimes a signed event whose amount no refund could have (more than
+// remains, or absurd), which must change nothing. The charge may not be
+// recorded on its order yet: the event then arrives early. nil if the
+// processor has made no charge yet.
+func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequest {
 	if len(s.webhooks) > 0 && s.chance(0.3) {
 		s.report.Counts.Webhooks++
 		return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: pick(s, s.webhooks)}
 	}
 	var chargeID string
 	var amount, refunded int64
-	err := s.app.db.QueryRow(`
-		SELECT c.charge_id, c.amount_cents, c.refunded_cents
-		FROM processor_charges c JOIN orders o ON o.charge_id = c.charge_id
-		WHERE c.status = 'succeeded' ORDER BY c.charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &amount, &refunded)
+	err := s.app.db.QueryRowContext(ctx, `
+		SELECT charge_id, amount_cents, refunded_cents FROM processor_charges
+		WHERE status = 'succeeded' ORDER BY charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &amount, &refunded)
 	if err != nil {
 		return nil
 	}
-	amounts := []int64{1, amount - refunded, amount - refunded + 1, 1 << 62}
-	body := string(chargeRefundedEvent(fmt.Sprintf("evt_sim_%d", len(s.webhooks)+1), chargeID,
-		fmt.Sprintf("re_sim_%d", len(s.webhooks)+1), pick(s, amounts)))
+	n := len(s.webhooks) + 1
+	refundID := fmt.Sprintf("re_sim_%d", n)
+	refundAmount := pick(s, []int64{1, amount - refunded, amount - refunded + 1, 1 << 62})
+	if refundAmount > 0 && refundAmount <= amount-refunded {
+		// Made at the processor's dashboard: the processor's ledger has it
+		// before the event is sent.
+		refundID, err = s.app.processor.refund(ctx, fmt.Sprintf("dashboard:%d", n), chargeID, refundAmount)
+		if err != nil {
+			return nil
+		}
+		s.tracef("the processor's dashboard refunds %d of %s as %s", refundAmount, chargeID, refundID)
+	}
+	body := string(chargeRefundedEvent(fmt.Sprintf("evt_sim_%d", n), chargeID, refundID, refundAmount))
 	s.webhooks = append(s.webhooks, body)
 	s.report.Counts.Webhooks++
 	return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: body}
@@ -613,6 +619,17 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		s.report.Counts.Answers5xx++
 		return s.fail("%s %s key %s got %d: %s", req.method, req.path, req.key, answer.status, answer.body)
 	}
+	// Once a request has its answer, the same request (same key, same body)
+	// gets that answer again, byte for byte, while the key lives: a day from
+	// the answer at least.
+	if definitive(answer) {
+		for _, earlier := range req.answers[:len(req.answers)-1] {
+			if definitive(earlier) && earlier.body != answer.body && answer.at.Sub(earlier.at) < idempotencyKeyTTL {
+				return s.fail("%s key %s of %s answered differently within a day:\n  %d %s\n  %d %s",
+					req.path, req.key, req.client.user, earlier.status, earlier.body, answer.status, answer.body)
+			}
+		}
+	}
 	switch req.kind {
 	case "hostile":
 		if answer.status != http.StatusBadRequest {
@@ -627,14 +644,12 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			if !containsString(req.client.orders, orderID) {
 				req.client.orders = append(req.client.orders, orderID)
 			}
-			// A 201 for the same key and body while the key lives is the
-			// first one again, byte for byte.
-			for _, earlier := range req.answers[:len(req.answers)-1] {
-				if earlier.status == http.StatusCreated && earlier.body != answer.body &&
-					answer.at.Sub(earlier.at) < idempotencyKeyTTL-s.app.leases.refundLock {
-					return s.fail("key %s of %s answered two different 201s within a day:\n  %s\n  %s",
-						req.key, req.client.user, earlier.body, answer.body)
-				}
+		}
+		// A key is "reused" only while it lives: a day after every answer
+		// given under it, it is free for a new request.
+		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
+			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && answer.at.Sub(last) >= idempotencyKeyTTL {
+				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, answer.at.Sub(last))
 			}
 		}
 	case "refund":
@@ -643,6 +658,35 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		}
 	}
 	return nil
+}
+
+// definitive reports whether answer is the request's outcome, one that a
+// retry must get again: not a "try again" (503, or a 409 that says the key
+// or the payment is busy).
+func definitive(answer simAnswer) bool {
+	if answer.status == http.StatusServiceUnavailable {
+		return false
+	}
+	kind := problemType(orderField([]byte(answer.body), "type"))
+	return answer.status != http.StatusConflict || (kind != problemKeyInProgress && kind != problemPaymentPending)
+}
+
+// lastAnswerUnderKey returns the time of the latest definitive answer that
+// a request of client other than except got under key.
+func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time.Time, bool) {
+	var last time.Time
+	found := false
+	for _, req := range client.requests {
+		if req == except || req.key != key {
+			continue
+		}
+		for _, answer := range req.answers {
+			if definitive(answer) && (!found || answer.at.After(last)) {
+				last, found = answer.at, true
+			}
+		}
+	}
+	return last, found
 }
 
 // shorten cuts s to n bytes for the trace.
@@ -729,20 +773,14 @@ func (s *simulation) quiesce(ctx context.Context) error {
 // undecided reports whether the client still waits for a definitive answer
 // to req: none yet, or only "in progress" and "try again".
 func undecided(req *simRequest) bool {
-	if req.kind == "webhook" || req.kind == "hostile" {
+	if req.kind == "hostile" {
 		return false
 	}
 	if len(req.answers) == 0 {
+		// A webhook the processor sent got no answer: it sends it again.
 		return true
 	}
-	last := req.answers[len(req.answers)-1]
-	if last.status == http.StatusServiceUnavailable {
-		return true
-	}
-	// 409s that say "not now": the key is busy, or the payment not settled.
-	// Other 409s (an order that cannot be refunded) are answers.
-	kind := problemType(orderField([]byte(last.body), "type"))
-	return last.status == http.StatusConflict && (kind == problemKeyInProgress || kind == problemPaymentPending)
+	return !definitive(req.answers[len(req.answers)-1])
 }
 
 // resend sends req again, synchronously, while quiet.
@@ -751,12 +789,23 @@ func (s *simulation) resend(ctx context.Context, req *simRequest) error {
 	action := &simAction{process: s.processes[0], request: req, recorder: httptest.NewRecorder(),
 		what: fmt.Sprintf("%s retries %s %s key=%s", req.client.name, req.method, req.path, req.key)}
 	return s.start(ctx, action, func(ctx context.Context) {
-		httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
-		httpReq.Header.Set("Content-Type", "application/json")
+		s.send(ctx, action)
+	})
+}
+
+// send is the HTTP side of a client action: the request goes through the
+// whole handler chain, in this coroutine.
+func (s *simulation) send(ctx context.Context, action *simAction) {
+	req := action.request
+	httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
+	httpReq.Header.Set("Content-Type", "application/json")
+	if req.kind == "webhook" {
+		httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now(), []byte(req.body)))
+	} else {
 		httpReq.Header.Set("Authorization", "Bearer "+req.client.apiKey)
 		httpReq.Header.Set("Idempotency-Key", req.key)
-		s.handler.ServeHTTP(action.recorder, httpReq)
-	})
+	}
+	s.handler.ServeHTTP(action.recorder, httpReq)
 }
 
 // checkClientsAgainstDatabase checks what clients were told against what
@@ -815,4 +864,74 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 		}
 	}
 	return rows.Err()
+}
+
+// newSimulateCommand builds "retrysafe simulate".
+func newSimulateCommand() *cobra.Command {
+	var seed uint64
+	var seeds, steps int
+	var dbPath string
+	var trace bool
+	cmd := &cobra.Command{
+		Use:   "simulate",
+		Short: "Run the deterministic simulator: clients, workers, crashes, pauses and clock jumps from a seed",
+		Long: `simulate runs every layer in one process, driven by one seeded random source:
+virtual clients (new requests, retries, concurrent duplicates, keys reused
+after expiry, refunds, hostile bodies, signed webhooks), workers under
+leases, process crashes, pauses past a lease, clock jumps and lost processor
+responses. After every step the in-flight invariants of check must hold; at
+the end the system is made quiet and the full check and every answer the
+clients got are checked.
+
+The same seed gives the same run, byte for byte: a failure prints its seed
+and step, and 'retrysafe simulate --seed N --trace' replays it.`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if seeds < 1 || steps < 1 {
+				return fmt.Errorf("--seeds and --steps must be at least 1 (got %d and %d)", seeds, steps)
+			}
+			if dbPath != "" && seeds > 1 {
+				return errors.New("--db keeps the database of one run; use it with one seed, not --seeds")
+			}
+			out := cmd.OutOrStdout()
+			start := time.Now()
+			totalSteps := 0
+			for i := range uint64(seeds) {
+				opts := simOptions{seed: seed + i, steps: steps, path: dbPath}
+				if trace {
+					opts.progress = out
+				}
+				report, err := simulateOnce(cmd.Context(), opts)
+				if err != nil {
+					return err
+				}
+				totalSteps += report.Steps
+				if report.Failure != "" {
+					if !trace {
+						fmt.Fprintln(out, strings.Join(report.Trace, "\n"))
+					}
+					return fmt.Errorf("seed %d failed at step %d: %s\nreplay: retrysafe simulate --seed %d --steps %d --trace",
+						report.Seed, report.FailureStep, report.Failure, report.Seed, steps)
+				}
+				if seeds == 1 || trace {
+					c := report.Counts
+					fmt.Fprintf(out, "seed %d: %d steps, %d requests (%d retries, %d refunds, %d webhooks, %d hostile), "+
+						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses: ok\n",
+						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
+						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses)
+				}
+			}
+			elapsed := time.Since(start)
+			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min)\n",
+				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
+				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes())
+			return nil
+		},
+	}
+	cmd.Flags().Uint64Var(&seed, "seed", 1, "the seed of the (first) run")
+	cmd.Flags().IntVar(&seeds, "seeds", 1, "how many seeds to run, from --seed on; stops at the first failure")
+	cmd.Flags().IntVar(&steps, "steps", simulationSteps, "steps per run before the system is made quiet")
+	cmd.Flags().StringVar(&dbPath, "db", "", "keep the run's SQLite file here (a new file; one seed only)")
+	cmd.Flags().BoolVar(&trace, "trace", false, "print every step as it happens")
+	return cmd
 }

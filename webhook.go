@@ -36,15 +36,23 @@ const webhookConsumer = "processor-webhooks"
 // "<t>.<raw body>">", the scheme Stripe uses.
 const signatureHeader = "Retrysafe-Signature"
 
-// processorEvent is a webhook body.
+// processorEvent is a webhook body. Its data is decoded by the code that
+// applies the event's type: a signed event whose data is wrong is still
+// the processor's, so it is recorded as poison under its id, with the
+// reason, for an operator (refusing it with a 4xx would only make the
+// processor deliver it again, for days).
 type processorEvent struct {
-	ID   string `json:"id"`
-	Type string `json:"type"`
-	Data struct {
-		ChargeID    string `json:"charge_id"`
-		RefundID    string `json:"refund_id"`
-		AmountCents int64  `json:"amount_cents"`
-	} `json:"data"`
+	ID   string          `json:"id"`
+	Type string          `json:"type"`
+	Data json.RawMessage `json:"data"`
+}
+
+// chargeRefundedData is the data of a charge.refunded event. AmountCents
+// is a pointer so that a missing or null amount is not taken for 0.
+type chargeRefundedData struct {
+	ChargeID    string `json:"charge_id"`
+	RefundID    string `json:"refund_id"`
+	AmountCents *int64 `json:"amount_cents"`
 }
 
 // signWebhook returns the signature header value for body at t.
@@ -56,10 +64,16 @@ func signWebhook(secret []byte, t time.Time, body []byte) string {
 	return "t=" + timestamp + ",v1=" + hex.EncodeToString(mac.Sum(nil))
 }
 
-// errRefundInFlight: a charge.refunded event arrived while a refund of the
-// same order is still being recorded; it is not applied, and the processor
-// delivers it again.
-var errRefundInFlight = errors.New("a refund of this order is still being recorded; deliver the event again later")
+// Outcomes of a charge.refunded event that arrived too early: it is not
+// applied nor recorded, and the processor delivers it again.
+var (
+	// errRefundInFlight: a refund of the same order is still being
+	// recorded.
+	errRefundInFlight = errors.New("a refund of this order is still being recorded; deliver the event again later")
+	// errPaymentNotRecorded: the charge is one our saga made, and the
+	// order has not heard of it yet (the event overtook PaymentCaptured).
+	errPaymentNotRecorded = errors.New("the order of this charge has not recorded its payment yet; deliver the event again later")
+)
 
 // errBadSignature is returned for a webhook whose signature is missing,
 // wrong, or older than webhookTolerance.
@@ -166,58 +180,131 @@ func (a *App) receiveProcessorEvent(ctx context.Context, event processorEvent) (
 // API asked for is already recorded (by its processor refund id) and changes
 // nothing; one made elsewhere, at the processor's dashboard say, is added to
 // the order.
+//
+// A signed event is not trusted beyond its origin: its amount must be
+// positive and at most what remains of the charge it names (the charge's
+// order, whoever's it is: events are per processor, not per user), or it is
+// poison and changes nothing. Without the check, an amount of 2^63-1 made
+// the sum overflow (to a REAL on SQLite, and every GET of the order failed
+// from then on), and any amount above what remains refunded more than was
+// charged.
+//
+// Returns a permanent error for an event that can never apply, and
+// errPaymentNotRecorded or errRefundInFlight for one that came too early.
 func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event processorEvent) error {
-	if event.Data.ChargeID == "" || event.Data.RefundID == "" || event.Data.AmountCents <= 0 {
-		return permanent(errors.New("charge.refunded needs data.charge_id, data.refund_id and a positive data.amount_cents"))
+	if len(event.Data) == 0 {
+		return permanent(errors.New("charge.refunded has no data"))
 	}
-	var known bool
-	err := tx.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM refunds WHERE processor_refund_id = ?)`,
-		event.Data.RefundID).Scan(&known)
+	var data chargeRefundedData
+	if err := decodeStrict(event.Data, &data); err != nil {
+		return permanent(fmt.Errorf("charge.refunded data: %w", err))
+	}
+	if data.ChargeID == "" || data.RefundID == "" || data.AmountCents == nil {
+		return permanent(errors.New("charge.refunded needs data.charge_id, data.refund_id and data.amount_cents"))
+	}
+	amount := *data.AmountCents
+	if amount <= 0 {
+		return permanent(fmt.Errorf("charge.refunded data.amount_cents must be positive, got %d", amount))
+	}
+	order, err := orderOfCharge(ctx, tx, data.ChargeID)
 	if err != nil {
+		return err
+	}
+
+	var known struct {
+		orderID string
+		amount  int64
+	}
+	err = tx.QueryRowContext(ctx, `SELECT order_id, amount_cents FROM refunds WHERE processor_refund_id = ?`,
+		data.RefundID).Scan(&known.orderID, &known.amount)
+	switch {
+	case err == nil:
+		// Already counted: by our API, or by an earlier event announcing
+		// the same refund under another event id. It must be this very
+		// refund, or the event contradicts what we recorded.
+		switch {
+		case known.orderID != order.OrderID:
+			return permanent(fmt.Errorf("charge.refunded names refund %s of charge %s, but that refund is of another order", data.RefundID, data.ChargeID))
+		case known.amount != amount:
+			return permanent(fmt.Errorf("charge.refunded says refund %s is %d, but it was recorded as %d", data.RefundID, amount, known.amount))
+		}
+		return nil
+	case errors.Is(err, sql.ErrNoRows):
+	default:
 		return fmt.Errorf("look up refund: %w", err)
 	}
-	if known {
-		return nil
-	}
-	var orderID string
-	var refundInFlight bool
-	err = tx.QueryRowContext(ctx, `SELECT order_id FROM orders WHERE charge_id = ?`, event.Data.ChargeID).Scan(&orderID)
-	if errors.Is(err, sql.ErrNoRows) {
-		return permanent(fmt.Errorf("charge.refunded for unknown charge %s", event.Data.ChargeID))
-	}
-	if err != nil {
-		return fmt.Errorf("look up order of charge: %w", err)
-	}
+
 	// The event may overtake our own record of a refund we asked for: the
 	// processor refunded, and our API has not written down its id yet. Ask
 	// for the event again later rather than count that refund twice.
+	var refundInFlight bool
 	err = tx.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM refunds WHERE order_id = ? AND status = 'pending')`,
-		orderID).Scan(&refundInFlight)
+		order.OrderID).Scan(&refundInFlight)
 	if err != nil {
 		return fmt.Errorf("look up refunds in flight: %w", err)
 	}
 	if refundInFlight {
 		return errRefundInFlight
 	}
+	// No refund is pending, so refunded_cents counts every refund of the
+	// order, each once; and this transaction holds the write lock (or,
+	// on PostgreSQL, is serializable), so it stays true until commit.
+	remaining := order.AmountCents - order.RefundedCents
+	if amount > remaining {
+		return permanent(fmt.Errorf("charge.refunded of %d exceeds the %d that remains of charge %s", amount, remaining, data.ChargeID))
+	}
 	now := a.now()
 	_, err = tx.ExecContext(ctx, `
 		INSERT INTO refunds (refund_id, order_id, amount_cents, status, processor_refund_id, source, created_at, updated_at)
 		VALUES (?, ?, ?, 'succeeded', ?, 'webhook', ?, ?)`,
-		a.newID("rf"), orderID, event.Data.AmountCents, event.Data.RefundID, formatTime(now), formatTime(now))
+		a.newID("rf"), order.OrderID, amount, data.RefundID, formatTime(now), formatTime(now))
 	if err != nil {
 		return fmt.Errorf("record refund: %w", err)
 	}
-	return addRefundToOrder(ctx, tx, orderID, event.Data.AmountCents, now)
+	return addRefundToOrder(ctx, tx, order.OrderID, amount, now)
+}
+
+// orderOfCharge returns the order that chargeID paid. Returns
+// errPaymentNotRecorded if our saga made the charge but its order has not
+// recorded the payment yet, and a permanent error if no order of ours made
+// it.
+func orderOfCharge(ctx context.Context, tx *sql.Tx, chargeID string) (orderRow, error) {
+	var orderID string
+	err := tx.QueryRowContext(ctx, `SELECT order_id FROM orders WHERE charge_id = ?`, chargeID).Scan(&orderID)
+	switch {
+	case err == nil:
+		return readOrder(ctx, tx, orderID)
+	case !errors.Is(err, sql.ErrNoRows):
+		return orderRow{}, fmt.Errorf("look up order of charge: %w", err)
+	}
+	// The saga writes the charge id on its step as soon as the processor
+	// answers; the order hears of it later, through the outbox and its
+	// inbox. A refund announced in between is early, not unknown.
+	var charged bool
+	err = tx.QueryRowContext(ctx, `
+		SELECT EXISTS (
+			SELECT 1 FROM saga_steps st
+			JOIN saga_instances s ON s.saga_id = st.saga_id
+			JOIN orders o ON o.order_id = s.order_id
+			WHERE st.step_name = ? AND st.result = ? AND o.status = 'created')`,
+		stepChargeCard, chargeID).Scan(&charged)
+	if err != nil {
+		return orderRow{}, fmt.Errorf("look up saga of charge: %w", err)
+	}
+	if charged {
+		return orderRow{}, errPaymentNotRecorded
+	}
+	return orderRow{}, permanent(fmt.Errorf("charge.refunded for unknown charge %s", chargeID))
 }
 
 // chargeRefundedEvent encodes a charge.refunded event, as the processor
 // sends it.
 func chargeRefundedEvent(eventID, chargeID, refundID string, amountCents int64) []byte {
-	event := processorEvent{ID: eventID, Type: "charge.refunded"}
-	event.Data.ChargeID = chargeID
-	event.Data.RefundID = refundID
-	event.Data.AmountCents = amountCents
-	body, err := json.Marshal(event)
+	data, err := json.Marshal(chargeRefundedData{ChargeID: chargeID, RefundID: refundID, AmountCents: &amountCents})
+	if err != nil {
+		panic(fmt.Sprintf("bug: encode event data: %v", err))
+	}
+	body, err := json.Marshal(processorEvent{ID: eventID, Type: "charge.refunded", Data: data})
 	if err != nil {
 		panic(fmt.Sprintf("bug: encode event: %v", err))
 	}
