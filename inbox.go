@@ -300,8 +300,10 @@ const nakTimeout = 5 * time.Second
 // is naked so that it comes back after failedBatchRedelivery instead of
 // ackWait: the broker redelivers without limit (natsBroker sets MaxDeliver
 // -1), so the outage uses up nothing. Returns the batch's error, joined with
-// any nak's. After a commit, returns errDeliveryLeaseLost (wrapped) if a
-// delivery was handed to another fetch meanwhile; what was committed stands.
+// any nak's. After a commit, an ack or nak that the broker refuses because
+// the delivery was handed to another fetch meanwhile (this consumer was
+// paused past ackWait) is not an error: what was committed stands, and the
+// consumer that holds the delivery now acks it.
 func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
 	deliveries, err := a.broker.fetch(ctx, c.name, max)
 	if err != nil || len(deliveries) == 0 {
@@ -344,8 +346,8 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	for i, d := range deliveries {
 		switch results[i].Outcome {
 		case inboxRetry:
-			if err := a.broker.nak(ctx, d, consumeBackoff(results[i].Failures)); err != nil {
-				// One refused nak must not keep the others' acks back.
+			if err := a.broker.nak(ctx, d, consumeBackoff(results[i].Failures)); err != nil && !errors.Is(err, errDeliveryLeaseLost) {
+				// One failed nak must not keep the others' acks back.
 				errs = append(errs, err)
 			}
 		case inboxApplied, inboxDuplicate, inboxPoison:
@@ -357,7 +359,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 			return results, fmt.Errorf("bug: unhandled inbox outcome %q", results[i].Outcome)
 		}
 	}
-	if err := a.broker.ack(ctx, handled...); err != nil {
+	if err := a.broker.ack(ctx, handled...); err != nil && !errors.Is(err, errDeliveryLeaseLost) {
 		errs = append(errs, err)
 	}
 	return results, errors.Join(errs...)
