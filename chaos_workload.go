@@ -44,6 +44,10 @@ const (
 // reused after the clock jumped past its expiry.
 type chaosRefundKey struct {
 	key, body string
+	// refunded: the key was answered 200. Reused after expiry it must be
+	// answered 422 idempotency-key-expired; a key that was refused may run
+	// again as new, which refunds nothing twice.
+	refunded bool
 }
 
 // chaos201 is an order a client was answered 201 for.
@@ -311,12 +315,13 @@ func (r *chaosRun) runChaosOrder(ctx context.Context, order *chaosOrder) {
 // refused for good. Either way the retry gets the very same answer.
 func (r *chaosRun) refundWholeTwice(ctx context.Context, order *chaosOrder) {
 	key := "refund-" + order.key
+	jumps := r.clock.jumpCount()
 	first, ok := r.refund(ctx, order, key, `{}`)
 	if !ok {
 		return
 	}
 	second, ok := r.refund(ctx, order, key, `{}`)
-	if !ok {
+	if !ok || r.expiredSince(jumps, second) {
 		return
 	}
 	if second.status != first.status || string(first.body) != string(second.body) || !second.replayed {
@@ -331,6 +336,7 @@ func (r *chaosRun) refundWholeTwice(ctx context.Context, order *chaosOrder) {
 // answered with money that was not refunded.
 func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	part := fmt.Sprintf(`{"amount_cents":%d}`, max(order.amount/4, 1))
+	jumps := r.clock.jumpCount()
 	var wg sync.WaitGroup
 	var first chaosAnswer
 	var firstOK bool
@@ -343,7 +349,7 @@ func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	wg.Wait()
 	if firstOK {
 		again, ok := r.refund(ctx, order, "refund-"+order.key+"-a", part)
-		if ok && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
+		if ok && !r.expiredSince(jumps, again) && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
 			r.violation("%s %s: refund part got %d %s, then %d %s; want the replay", order.userID, order.key, first.status, first.body, again.status, again.body)
 		}
 	}
@@ -354,15 +360,28 @@ func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	}
 }
 
+// expiredSince reports whether answer is 422 idempotency-key-expired and
+// the clock has jumped since the client's jumps'th jump: the retry of a
+// request that crossed the key's expiry.
+func (r *chaosRun) expiredSince(jumps int, answer chaosAnswer) bool {
+	return answer.status == http.StatusUnprocessableEntity && answer.problemType() == string(problemKeyExpired) && r.clock.jumpCount() > jumps
+}
+
 // refund sends one refund until it is answered and checks the answer is one
 // a refund may get. It returns false if it recorded a violation.
 func (r *chaosRun) refund(ctx context.Context, order *chaosOrder, key, body string) (chaosAnswer, bool) {
 	r.c.refundRequests.Add(1)
 	order.addRefundKey(key, body)
+	jumps := r.clock.jumpCount()
 	answer, err := r.untilDefinitive(ctx, order.index, "POST", refundPath(order.gotOrderID), order.apiKey, key, body)
 	if err != nil {
 		r.violation("%s %s: refund %s never got an answer: %v", order.userID, order.key, key, err)
 		return answer, false
+	}
+	if r.expiredSince(jumps, answer) {
+		// The clock jumped past the key's expiry while the client was
+		// still retrying: a client that retries across a day gets this.
+		return answer, true
 	}
 	return answer, r.checkRefundAnswer(order, key, answer)
 }
@@ -378,6 +397,7 @@ func (r *chaosRun) checkRefundAnswer(order *chaosOrder, key string, answer chaos
 			return false
 		}
 		r.c.refundOK.Add(1)
+		order.markRefunded(key)
 		r.record(func() { r.refunds = append(r.refunds, chaosRefund{order.gotOrderID, view.RefundID, view.AmountCents}) })
 		return true
 	case http.StatusConflict, http.StatusUnprocessableEntity:
@@ -647,7 +667,14 @@ func (r *chaosRun) reuseExpiredKeys(ctx context.Context, order *chaosOrder) {
 			r.violation("%s %s: reused expired refund key never got an answer: %v", order.userID, refund.key, err)
 			continue
 		}
-		if answer.status != http.StatusUnprocessableEntity || answer.problemType() != string(problemKeyExpired) {
+		expired := answer.status == http.StatusUnprocessableEntity && answer.problemType() == string(problemKeyExpired)
+		if !refund.refunded && !expired {
+			// Nothing was refunded under the key: running it as new is
+			// what an expired key means, and its answer must be a valid one.
+			r.checkRefundAnswer(order, refund.key, answer)
+			continue
+		}
+		if !expired {
 			r.violation("%s %s: refund key reused after expiry answered %d %s; want 422 %s",
 				order.userID, refund.key, answer.status, answer.body, problemKeyExpired)
 			if answer.status == http.StatusOK {
@@ -784,7 +811,18 @@ func (o *chaosOrder) addRefundKey(key, body string) {
 			return
 		}
 	}
-	o.refundKeys = append(o.refundKeys, chaosRefundKey{key, body})
+	o.refundKeys = append(o.refundKeys, chaosRefundKey{key: key, body: body})
+}
+
+// markRefunded records that the refund key was answered 200.
+func (o *chaosOrder) markRefunded(key string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for i := range o.refundKeys {
+		if o.refundKeys[i].key == key {
+			o.refundKeys[i].refunded = true
+		}
+	}
 }
 
 // refundKeysSnapshot returns the refund keys the client used.
