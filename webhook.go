@@ -53,6 +53,13 @@ type chargeRefundedData struct {
 	ChargeID    string `json:"charge_id"`
 	RefundID    string `json:"refund_id"`
 	AmountCents *int64 `json:"amount_cents"`
+	// OrderID is the metadata our saga attached to the charge, which the
+	// processor sends back with every event about it (as Stripe's events
+	// carry the charge's metadata). It tells a refund of a charge whose
+	// answer our saga has not recorded yet (the response is on its way, or
+	// was lost and the charge will be asked for again) from a refund of a
+	// charge that is not ours.
+	OrderID string `json:"order_id,omitempty"`
 }
 
 // signWebhook returns the signature header value for body at t.
@@ -206,7 +213,7 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 	if amount <= 0 {
 		return permanent(fmt.Errorf("charge.refunded data.amount_cents must be positive, got %d", amount))
 	}
-	order, err := orderOfCharge(ctx, tx, data.ChargeID)
+	order, err := orderOfCharge(ctx, tx, data)
 	if err != nil {
 		return err
 	}
@@ -264,11 +271,12 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 	return addRefundToOrder(ctx, tx, order.OrderID, amount, now)
 }
 
-// orderOfCharge returns the order that chargeID paid. Returns
+// orderOfCharge returns the order that the event's charge paid. Returns
 // errPaymentNotRecorded if our saga made the charge but its order has not
 // recorded the payment yet, and a permanent error if no order of ours made
 // it.
-func orderOfCharge(ctx context.Context, tx *sql.Tx, chargeID string) (orderRow, error) {
+func orderOfCharge(ctx context.Context, tx *sql.Tx, data chargeRefundedData) (orderRow, error) {
+	chargeID := data.ChargeID
 	var orderID string
 	err := tx.QueryRowContext(ctx, `SELECT order_id FROM orders WHERE charge_id = ?`, chargeID).Scan(&orderID)
 	switch {
@@ -293,6 +301,22 @@ func orderOfCharge(ctx context.Context, tx *sql.Tx, chargeID string) (orderRow, 
 	}
 	if charged {
 		return orderRow{}, errPaymentNotRecorded
+	}
+	// Earlier still: the processor charged, and the saga has not recorded
+	// the answer (or never got it: a lost response, asked for again under
+	// the same key). The charge's metadata names the order; while that
+	// order waits for its payment, the event is early. (Once the order is
+	// paid with another charge, or cancelled, the same event is poison: a
+	// wrong order id in the metadata cannot hold it back for ever.)
+	if data.OrderID != "" {
+		var status orderStatus
+		err := tx.QueryRowContext(ctx, `SELECT status FROM orders WHERE order_id = ?`, data.OrderID).Scan(&status)
+		switch {
+		case err == nil && status == orderCreated:
+			return orderRow{}, errPaymentNotRecorded
+		case err != nil && !errors.Is(err, sql.ErrNoRows):
+			return orderRow{}, fmt.Errorf("look up order of charge metadata: %w", err)
+		}
 	}
 	return orderRow{}, permanent(fmt.Errorf("charge.refunded for unknown charge %s", chargeID))
 }

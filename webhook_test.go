@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http/httptest"
 	"strings"
@@ -258,6 +259,44 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		}
 		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?) + (SELECT COUNT(*) FROM refunds)`, webhookConsumer); n != 0 {
 			t.Fatalf("the early event stored %d rows", n)
+		}
+		env.drain(t)
+		if _, reply := postSigned(t, env, ts, event); reply.Outcome != inboxApplied {
+			t.Fatalf("the redelivered event got %+v, want applied", reply)
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
+			t.Fatalf("order %s, want paid:1500", got)
+		}
+		requireOrderSound(t, env, ts, keyUser42, orderID)
+	})
+
+	// Ensure a refund of a charge whose answer the saga has not recorded
+	// yet (the processor charged and the response was lost) is early, not
+	// unknown: the charge's metadata names the order, which still waits for
+	// its payment, so the event is answered 503 and applied when delivered
+	// again. Without the metadata the event was poison, and the refund made
+	// at the processor was never counted.
+	t.Run("RefundOfAChargeWhoseAnswerIsNotRecordedIsRetried", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		created := call(t, ts, "POST", "/api/orders", keyUser42, "order-key", orderBody(5000, "sku-1", 1, pmCardVisa))
+		orderID := orderField([]byte(created.Body), "order_id")
+		startSagas(t, env)
+		env.fault.failAt(faultProcessorLoseResponse, errors.New("connection reset"), 1)
+		if _, err := env.app.sagaOnce(context.Background(), "test-worker", 10); err != nil {
+			t.Fatal(err)
+		}
+		chargeID := env.str(t, `SELECT charge_id FROM processor_charges`)
+		if chargeID == "" || env.str(t, `SELECT COALESCE(result, '') FROM saga_steps WHERE step_name = ?`, stepChargeCard) != "" {
+			t.Fatalf("want a charge %q that the saga has not recorded", chargeID)
+		}
+		refundID := dashboardRefund(t, env, "dashboard-1", chargeID, 1500)
+		event := []byte(fmt.Sprintf(`{"id":"evt_early","type":"charge.refunded","data":{"charge_id":%q,"refund_id":%q,"amount_cents":1500,"order_id":%q}}`,
+			chargeID, refundID, orderID))
+
+		early, _ := postSigned(t, env, ts, event)
+		if early.Status != 503 || problemTypeOf(t, early) != problemUnavailable {
+			t.Fatalf("got %d %s, want 503 to be delivered again", early.Status, early.Body)
 		}
 		env.drain(t)
 		if _, reply := postSigned(t, env, ts, event); reply.Outcome != inboxApplied {
