@@ -81,7 +81,7 @@ func newRootCommand() *cobra.Command {
 // openExistingApp opens an App over a database that must already exist: a
 // typo in --db should say so, not quietly create an empty file. Its
 // consumers are not subscribed yet; see startProcess.
-func openExistingApp(ctx context.Context, path string) (*App, error) {
+func openExistingApp(ctx context.Context, path string, clock func() time.Time) (*App, error) {
 	// (A PostgreSQL URL with a typo fails to connect instead.)
 	if !isPostgresURL(path) {
 		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
@@ -92,7 +92,7 @@ func openExistingApp(ctx context.Context, path string) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
-	return newApp(db, nil, nil, nil), nil
+	return newApp(db, clock, nil, nil), nil
 }
 
 // openApp opens (creating if needed) the database at path and returns an App
@@ -115,6 +115,7 @@ func newServeCommand() *cobra.Command {
 	var dbPath, addr, durabilityFlag, brokerURL, stream string
 	var workers bool
 	var leaseScale float64
+	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Serve the HTTP API, and run the workers unless --workers=false",
@@ -124,7 +125,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale, clock)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -134,6 +135,7 @@ func newServeCommand() *cobra.Command {
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced, and concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
+	addClockFlags(cmd, &clock)
 	return cmd
 }
 
@@ -158,7 +160,7 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64, clock chaosClockFlags) error {
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
 	}
@@ -182,7 +184,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return err
 	}
 	defer db.Close()
-	app := newApp(db, nil, nil, nil)
+	app := newApp(db, processClock(clock.file, clock.skew), nil, nil)
 	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
 	if err != nil {
 		return err
@@ -245,22 +247,24 @@ func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
 	var dbPath, brokerURL, stream string
 	var leaseScale float64
+	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   role,
 		Short: short,
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, start)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, clock, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
+	addClockFlags(cmd, &clock)
 	return cmd
 }
 
 // runLoops runs the loops that start starts until ctx is done.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64, clock chaosClockFlags,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
@@ -271,7 +275,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	logger := slog.New(slog.NewTextHandler(out, nil))
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
-	app, err := openExistingApp(ctx, dbPath)
+	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew))
 	if err != nil {
 		return err
 	}
@@ -365,6 +369,24 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 func addLeaseScaleFlag(cmd *cobra.Command, scale *float64) {
 	cmd.Flags().Float64Var(scale, "lease-scale", 1, "multiply every lease and ack wait by this factor")
 	cmd.Flags().MarkHidden("lease-scale")
+}
+
+// chaosClockFlags are the hidden --clock-file and --clock-skew.
+type chaosClockFlags struct {
+	file string
+	skew time.Duration
+}
+
+// addClockFlags adds the hidden --clock-file and --clock-skew flags: the
+// chaos run moves every process's clock past the idempotency key TTL (a
+// duration it writes to the file) and runs one process's clock ahead, to
+// produce the faults a real clock produces rarely. Nobody else should need
+// them.
+func addClockFlags(cmd *cobra.Command, clock *chaosClockFlags) {
+	cmd.Flags().StringVar(&clock.file, "clock-file", "", "add the duration written in this file to the clock")
+	cmd.Flags().DurationVar(&clock.skew, "clock-skew", 0, "run the clock this far ahead")
+	cmd.Flags().MarkHidden("clock-file")
+	cmd.Flags().MarkHidden("clock-skew")
 }
 
 // noArgs rejects positional arguments with a hint: the database is named
@@ -498,7 +520,7 @@ func newCleanupCommand() *cobra.Command {
 		Short: "Delete expired idempotency keys and delivered messages older than a week",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			app, err := openExistingApp(cmd.Context(), dbPath)
+			app, err := openExistingApp(cmd.Context(), dbPath, nil)
 			if err != nil {
 				return err
 			}

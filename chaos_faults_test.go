@@ -1,0 +1,59 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// Ensure a process's clock runs ahead by what the chaos run wrote to its
+// clock file, plus its own skew, and keeps the last offset when the file
+// goes missing.
+func TestFileClock(t *testing.T) {
+	t.Run("AddsTheFileOffsetAndTheSkew", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "clock")
+		if err := os.WriteFile(path, []byte("25h"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		before := time.Now()
+		got := fileClock(path, 3*time.Second)()
+		if want := before.Add(25*time.Hour + 3*time.Second); got.Before(want) || got.After(want.Add(time.Minute)) {
+			t.Fatalf("clock says %s, want about %s", got, want)
+		}
+	})
+	t.Run("RunsOnTheWallClockWithoutFlags", func(t *testing.T) {
+		if clock := processClock("", 0); clock != nil {
+			t.Fatal("processClock without a file or skew is not nil (the wall clock)")
+		}
+	})
+	t.Run("JumpWritesWhatEveryProcessReads", func(t *testing.T) {
+		clock, err := newChaosClock(t.TempDir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := clock.jump(clockJump); err != nil {
+			t.Fatal(err)
+		}
+		before := time.Now()
+		got := fileClock(clock.path, 0)()
+		if want := before.Add(clockJump); got.Before(want) || got.After(want.Add(time.Minute)) {
+			t.Fatalf("after a jump a process reads %s, want about %s", got, want)
+		}
+		if clock.jumpCount() != 1 || clock.now().Before(before.Add(clockJump)) {
+			t.Fatalf("the orchestrator's clock is at %s after %d jumps", clock.now(), clock.jumpCount())
+		}
+	})
+}
+
+// Ensure a pause outlasts every lease of the chaos processes, and an outage
+// outlasts MaxDeliver x AckWait and SQLite's busy_timeout.
+func TestChaosFaultLengths(t *testing.T) {
+	leases := scaledLeaseTimes(chaosLeaseScale)
+	if got := leaseLongest(leases) + time.Second; got <= leases.refundLock || got <= leases.saga || got <= leases.relay || got <= leases.ackWait {
+		t.Fatalf("a pause of %s does not outlast the leases %+v", got, leases)
+	}
+	if got, want := outageLength(leases), time.Duration(maxDeliveries)*leases.ackWait; got <= want || got <= 10*time.Second {
+		t.Fatalf("an outage of %s is not longer than MaxDeliver x AckWait (%s) and busy_timeout (10s)", got, want)
+	}
+}
