@@ -7,9 +7,11 @@ package main
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	_ "embed"
 	"errors"
 	"fmt"
+	"io"
 	mathrand "math/rand/v2"
 	"net/url"
 	"os"
@@ -18,6 +20,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"modernc.org/sqlite"
 	sqlite3 "modernc.org/sqlite/lib"
 )
@@ -386,6 +389,30 @@ func isBusy(err error) bool {
 	}
 	code := sqliteErr.Code() & 0xff // the primary code; extended codes add bits above
 	return code == sqlite3.SQLITE_BUSY || code == sqlite3.SQLITE_LOCKED
+}
+
+// isDatabaseUnavailable reports whether err is the database out of reach:
+// PostgreSQL closed or refused the connection (shut down, restarted, the
+// backend terminated, too many clients) or it could not be reached. Like
+// isBusy it is transient and says nothing about the request: whatever the
+// transaction wrote rolled back with the connection, the caller may retry,
+// and an HTTP client gets 503, never 500; a consumer counts nothing
+// against the message.
+func isDatabaseUnavailable(err error) bool {
+	code := postgresCode(err)
+	switch {
+	case strings.HasPrefix(code, "08"): // connection exception
+		return true
+	case code == "57P01", code == "57P02", code == "57P03": // admin or crash shutdown, cannot connect now
+		return true
+	case code == "53300": // too many connections
+		return true
+	}
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr) ||
+		errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, driver.ErrBadConn) ||
+		errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // isUniqueViolation reports whether err is a UNIQUE or PRIMARY KEY conflict.

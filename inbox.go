@@ -179,9 +179,10 @@ func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID
 		// must roll back and run again (withTx does), not count as this
 		// message's failure.
 		return result, err
-	case isBusy(err):
-		// Another transaction held the database: our side, not the
-		// message. The batch fails and comes back; nothing is counted.
+	case isBusy(err), isDatabaseUnavailable(err):
+		// Another transaction held the database, or the database went
+		// away: our side, not the message. The batch fails and comes
+		// back; nothing is counted.
 		return result, err
 	case isPermanent(err):
 		result.Outcome = inboxPoison
