@@ -693,6 +693,23 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusOK && orderField([]byte(answer.body), "refund_id") == "" {
 			return s.fail("a refund 200 without a refund id: %s", answer.body)
 		}
+		// A refund key replays its answer for a day from that answer; only
+		// then may it be refused as expired.
+		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyExpired {
+			var settledAt string
+			err := s.app.db.QueryRowContext(ctx, `SELECT updated_at FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
+				req.orderID, req.key).Scan(&settledAt)
+			if err != nil {
+				return s.fail("refund key %s refused as expired, but no refund was made under it: %v", req.key, err)
+			}
+			settled, err := time.Parse(timeFormat, settledAt)
+			if err != nil {
+				return fmt.Errorf("refund time %q: %w", settledAt, err)
+			}
+			if answer.at.Sub(settled) < idempotencyKeyTTL {
+				return s.fail("refund key %s refused as expired %s after its refund was settled, within a day", req.key, answer.at.Sub(settled))
+			}
+		}
 	}
 	return nil
 }
