@@ -81,6 +81,22 @@ type simCounts struct {
 	ClockJumps, LostResponses, Answers5xx         int
 }
 
+// add adds other's counts to c.
+func (c *simCounts) add(other simCounts) {
+	c.Requests += other.Requests
+	c.Retries += other.Retries
+	c.Hostile += other.Hostile
+	c.Webhooks += other.Webhooks
+	c.Refunds += other.Refunds
+	c.WorkerPasses += other.WorkerPasses
+	c.Suspensions += other.Suspensions
+	c.Pauses += other.Pauses
+	c.Crashes += other.Crashes
+	c.ClockJumps += other.ClockJumps
+	c.LostResponses += other.LostResponses
+	c.Answers5xx += other.Answers5xx
+}
+
 // simProcess is a virtual serve, relay or worker process. Its name is its
 // worker id, kept across restarts, as a restarted process would.
 type simProcess struct {
@@ -964,6 +980,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 			out := cmd.OutOrStdout()
 			start := time.Now()
 			totalSteps := 0
+			var total simCounts
 			for i := range uint64(seeds) {
 				opts := simOptions{seed: seed + i, steps: steps, path: dbPath}
 				if trace {
@@ -974,6 +991,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 					return err
 				}
 				totalSteps += report.Steps
+				total.add(report.Counts)
 				if report.Failure != "" {
 					if !trace {
 						fmt.Fprintln(out, strings.Join(report.Trace, "\n"))
@@ -990,9 +1008,11 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 				}
 			}
 			elapsed := time.Since(start)
-			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min)\n",
+			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min); "+
+				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps\n",
 				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
-				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes())
+				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
+				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps)
 			return nil
 		},
 	}
