@@ -69,8 +69,12 @@ func mutations() []mutation {
 		{
 			name:  "WebhookAmountUnchecked",
 			fault: "retrysafe fault 7: a signed charge.refunded can set any amount",
+			// As it was: neither the amount checked against what remains,
+			// nor the refund confirmed by the processor (which alone now
+			// stops a forged amount too).
 			edits: []mutationEdit{
 				{"webhook.go", "\tif amount > remaining {", "\tif false && amount > remaining {"},
+				{"webhook.go", "\tif unconfirmed != nil {\n\t\treturn unconfirmed\n\t}", "\t_ = unconfirmed"},
 			},
 		},
 		{
