@@ -42,6 +42,28 @@ func postSigned(tb testing.TB, env *testEnv, ts *httptest.Server, body []byte) (
 	return got, reply
 }
 
+// requireEarly fails the test unless the signed event is answered 503 (an
+// event that came too early, for the processor to deliver again).
+func requireEarly(tb testing.TB, env *testEnv, ts *httptest.Server, event []byte) {
+	tb.Helper()
+	early, _ := postSigned(tb, env, ts, event)
+	if early.Status != 503 || problemTypeOf(tb, early) != problemUnavailable {
+		tb.Fatalf("got %d %s, want 503 to be delivered again", early.Status, early.Body)
+	}
+}
+
+// requireAppliedPaidWith fails the test unless the signed event, delivered
+// again, is applied and the only order is then want ("status:refunded").
+func requireAppliedPaidWith(tb testing.TB, env *testEnv, ts *httptest.Server, event []byte, want string) {
+	tb.Helper()
+	if _, reply := postSigned(tb, env, ts, event); reply.Outcome != inboxApplied {
+		tb.Fatalf("the redelivered event got %+v, want applied", reply)
+	}
+	if got := env.str(tb, `SELECT status || ':' || refunded_cents FROM orders`); got != want {
+		tb.Fatalf("order %s, want %s", got, want)
+	}
+}
+
 // paidOrderOf creates an order of the user with apiKey under key and runs
 // the workers until it is paid. It returns the order id and its charge id.
 func paidOrderOf(tb testing.TB, env *testEnv, ts *httptest.Server, apiKey, key string, amount int64) (string, string) {
@@ -282,20 +304,12 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		refundID := dashboardRefund(t, env, "dashboard-1", chargeID, 1500)
 		event := refundedEvent("evt_early", chargeID, refundID, "1500")
 
-		early, _ := postSigned(t, env, ts, event)
-		if early.Status != 503 || problemTypeOf(t, early) != problemUnavailable {
-			t.Fatalf("got %d %s, want 503 to be delivered again", early.Status, early.Body)
-		}
+		requireEarly(t, env, ts, event)
 		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?) + (SELECT COUNT(*) FROM refunds)`, webhookConsumer); n != 0 {
 			t.Fatalf("the early event stored %d rows", n)
 		}
 		env.drain(t)
-		if _, reply := postSigned(t, env, ts, event); reply.Outcome != inboxApplied {
-			t.Fatalf("the redelivered event got %+v, want applied", reply)
-		}
-		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
-			t.Fatalf("order %s, want paid:1500", got)
-		}
+		requireAppliedPaidWith(t, env, ts, event, "paid:1500")
 		requireOrderSound(t, env, ts, keyUser42, orderID)
 	})
 
@@ -323,17 +337,9 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		event := []byte(fmt.Sprintf(`{"id":"evt_early","type":"charge.refunded","data":{"charge_id":%q,"refund_id":%q,"amount_cents":1500,"order_id":%q}}`,
 			chargeID, refundID, orderID))
 
-		early, _ := postSigned(t, env, ts, event)
-		if early.Status != 503 || problemTypeOf(t, early) != problemUnavailable {
-			t.Fatalf("got %d %s, want 503 to be delivered again", early.Status, early.Body)
-		}
+		requireEarly(t, env, ts, event)
 		env.drain(t)
-		if _, reply := postSigned(t, env, ts, event); reply.Outcome != inboxApplied {
-			t.Fatalf("the redelivered event got %+v, want applied", reply)
-		}
-		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
-			t.Fatalf("order %s, want paid:1500", got)
-		}
+		requireAppliedPaidWith(t, env, ts, event, "paid:1500")
 		requireOrderSound(t, env, ts, keyUser42, orderID)
 	})
 
