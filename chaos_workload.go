@@ -48,6 +48,9 @@ type chaosRefundKey struct {
 	// answered 422 idempotency-key-expired; a key that was refused may run
 	// again as new, which refunds nothing twice.
 	refunded bool
+	// jumps is how many clock jumps had been made when the key was first
+	// sent: a later answer for it is judged against this count.
+	jumps int
 }
 
 // chaos201 is an order a client was answered 201 for.
@@ -315,13 +318,12 @@ func (r *chaosRun) runChaosOrder(ctx context.Context, order *chaosOrder) {
 // refused for good. Either way the retry gets the very same answer.
 func (r *chaosRun) refundWholeTwice(ctx context.Context, order *chaosOrder) {
 	key := "refund-" + order.key
-	jumps := r.clock.jumpCount()
 	first, ok := r.refund(ctx, order, key, `{}`)
 	if !ok {
 		return
 	}
 	second, ok := r.refund(ctx, order, key, `{}`)
-	if !ok || r.expiredSince(jumps, second) {
+	if !ok || r.expiredSince(order.refundKeyJumps(key), second) {
 		return
 	}
 	if second.status != first.status || string(first.body) != string(second.body) || !second.replayed {
@@ -336,7 +338,6 @@ func (r *chaosRun) refundWholeTwice(ctx context.Context, order *chaosOrder) {
 // answered with money that was not refunded.
 func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	part := fmt.Sprintf(`{"amount_cents":%d}`, max(order.amount/4, 1))
-	jumps := r.clock.jumpCount()
 	var wg sync.WaitGroup
 	var first chaosAnswer
 	var firstOK bool
@@ -349,7 +350,7 @@ func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	wg.Wait()
 	if firstOK {
 		again, ok := r.refund(ctx, order, "refund-"+order.key+"-a", part)
-		if ok && !r.expiredSince(jumps, again) && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
+		if ok && !r.expiredSince(order.refundKeyJumps("refund-"+order.key+"-a"), again) && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
 			r.violation("%s %s: refund part got %d %s, then %d %s; want the replay", order.userID, order.key, first.status, first.body, again.status, again.body)
 		}
 	}
@@ -371,16 +372,16 @@ func (r *chaosRun) expiredSince(jumps int, answer chaosAnswer) bool {
 // a refund may get. It returns false if it recorded a violation.
 func (r *chaosRun) refund(ctx context.Context, order *chaosOrder, key, body string) (chaosAnswer, bool) {
 	r.c.refundRequests.Add(1)
-	order.addRefundKey(key, body)
-	jumps := r.clock.jumpCount()
+	jumps := order.addRefundKey(key, body, r.clock.jumpCount())
 	answer, err := r.untilDefinitive(ctx, order.index, "POST", refundPath(order.gotOrderID), order.apiKey, key, body)
 	if err != nil {
 		r.violation("%s %s: refund %s never got an answer: %v", order.userID, order.key, key, err)
 		return answer, false
 	}
 	if r.expiredSince(jumps, answer) {
-		// The clock jumped past the key's expiry while the client was
-		// still retrying: a client that retries across a day gets this.
+		// The clock jumped past the key's expiry since the client first
+		// sent it: a client that retries, or repeats, across a day gets
+		// this.
 		return answer, true
 	}
 	return answer, r.checkRefundAnswer(order, key, answer)
@@ -440,7 +441,7 @@ func (r *chaosRun) raceOneKey(ctx context.Context, order *chaosOrder) {
 		})
 	case createLost && !refundLost:
 		// The refund won the key: reusing it after expiry must not refund again.
-		order.addRefundKey(key, `{"amount_cents":1}`)
+		order.addRefundKey(key, `{"amount_cents":1}`, r.clock.jumpCount())
 		r.checkRefundAnswer(order, key, refunded)
 	default:
 		r.violation("%s %s: one key sent to a create and a refund at once got %d %s and %d %s; want one to run and the other 422 %s",
@@ -802,16 +803,31 @@ func (o *chaosOrder) finishedBefore(jump int) bool {
 	return o.done && o.doneAtJump < jump && o.gotOrderID != ""
 }
 
-// addRefundKey remembers a refund key the client used.
-func (o *chaosOrder) addRefundKey(key, body string) {
+// addRefundKey remembers a refund key the client used, and jumps, the
+// clock's jump count, if this is its first use. It returns the count at
+// the key's first use.
+func (o *chaosOrder) addRefundKey(key, body string, jumps int) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	for _, k := range o.refundKeys {
 		if k.key == key {
-			return
+			return k.jumps
 		}
 	}
-	o.refundKeys = append(o.refundKeys, chaosRefundKey{key: key, body: body})
+	o.refundKeys = append(o.refundKeys, chaosRefundKey{key: key, body: body, jumps: jumps})
+	return jumps
+}
+
+// refundKeyJumps returns the clock's jump count at the key's first use.
+func (o *chaosOrder) refundKeyJumps(key string) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, k := range o.refundKeys {
+		if k.key == key {
+			return k.jumps
+		}
+	}
+	return 0
 }
 
 // markRefunded records that the refund key was answered 200.
