@@ -98,25 +98,10 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 		}
 		return openPostgres(ctx, path)
 	}
-	query := url.Values{}
-	for _, pragma := range sqlitePragmas {
-		query.Add("_pragma", pragma)
+	dsn, err := sqliteDSN(path, d)
+	if err != nil {
+		return nil, err
 	}
-	switch d {
-	case durabilityNormal:
-		query.Add("_pragma", "synchronous(NORMAL)")
-	case durabilityFull:
-		query.Add("_pragma", "synchronous(FULL)")
-	default:
-		return nil, fmt.Errorf("bug: unhandled durability %q", d)
-	}
-	// Every transaction starts with BEGIN IMMEDIATE: it takes the write lock
-	// up front, so a transaction that reads and then writes never fails with
-	// SQLITE_BUSY halfway (which a deferred one does in WAL mode, whatever
-	// the busy timeout). A concurrent duplicate request simply waits.
-	query.Set("_txlock", "immediate")
-	dsn := "file:" + path + "?" + query.Encode()
-
 	db, err := sql.Open("sqlite", dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
@@ -139,6 +124,29 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 		return nil, fmt.Errorf("migrate %s: %w", path, err)
 	}
 	return db, nil
+}
+
+// sqliteDSN returns the data source name of the SQLite file at path, with
+// every connection's pragmas and durability d.
+func sqliteDSN(path string, d durability) (string, error) {
+	query := url.Values{}
+	for _, pragma := range sqlitePragmas {
+		query.Add("_pragma", pragma)
+	}
+	switch d {
+	case durabilityNormal:
+		query.Add("_pragma", "synchronous(NORMAL)")
+	case durabilityFull:
+		query.Add("_pragma", "synchronous(FULL)")
+	default:
+		return "", fmt.Errorf("bug: unhandled durability %q", d)
+	}
+	// Every transaction starts with BEGIN IMMEDIATE: it takes the write lock
+	// up front, so a transaction that reads and then writes never fails with
+	// SQLITE_BUSY halfway (which a deferred one does in WAL mode, whatever
+	// the busy timeout). A concurrent duplicate request simply waits.
+	query.Set("_txlock", "immediate")
+	return "file:" + path + "?" + query.Encode(), nil
 }
 
 // openReadOnlyDB opens an existing database for reading only, as inspect and

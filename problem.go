@@ -51,9 +51,9 @@ var problemDocs = map[problemType]string{
 	problemPaymentPending:     "The order's payment is still in progress. Nothing was stored; retry with the same Idempotency-Key after Retry-After.",
 	problemRefundTooLarge:     "The refund is larger than what remains to refund. This outcome is stored under the Idempotency-Key.",
 	problemProcessorRefused:   "The card processor refused the refund. This outcome is stored under the Idempotency-Key.",
-	problemUnavailable:        "A transient failure; no outcome was stored. Retry with the same Idempotency-Key after Retry-After.",
+	problemUnavailable:        "A transient failure. The request may have taken effect (a connection can drop after a commit, before its answer): retry with the same Idempotency-Key after Retry-After, within the key's 24 hours, to get its outcome.",
 	problemBadSignature:       "The webhook's Retrysafe-Signature header is missing, wrong or too old.",
-	problemInternal:           "An unexpected error; no outcome was stored. Retry with the same Idempotency-Key.",
+	problemInternal:           "An unexpected error. Retry with the same Idempotency-Key to get the request's outcome.",
 }
 
 // problem is an RFC 9457 problem details object.

@@ -412,7 +412,7 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		errors.Is(err, errPaymentNotRecorded):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemUnavailable, Title: "Temporarily unavailable", Status: http.StatusServiceUnavailable,
-			Detail: "a transient failure, no outcome was stored; retry with the same Idempotency-Key"})
+			Detail: "a transient failure; the request may or may not have taken effect: retry with the same Idempotency-Key to get its outcome"})
 	default:
 		s.logger.Error("request failed", "method", r.Method, "path", r.URL.Path, "error", err)
 		writeProblem(w, problem{Type: problemInternal, Title: "Internal error", Status: http.StatusInternalServerError,

@@ -10,8 +10,11 @@
 // keys reused after their expiry, refunds, hostile bodies, signed
 // webhooks), which worker runs a one-shot pass (relayOnce, consumeOnce,
 // sagaOnce, completeRefundsOnce, cleanupOnce), and when the clock jumps
-// (a little, past a lease, past a key's expiry), a process crashes, or the
-// processor loses a response.
+// (a little, past a lease, past a key's expiry), a process crashes, the
+// processor loses a response, the database becomes unreachable for a few
+// steps (sometimes mid-transaction, sometimes just after a commit whose
+// answer is lost), or the broker hands a batch over out of order, loses an
+// ack or gets a publish twice (simulate_faults.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -33,6 +36,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -79,6 +83,8 @@ type simCounts struct {
 	Requests, Retries, Hostile, Webhooks, Refunds int
 	WorkerPasses, Suspensions, Pauses, Crashes    int
 	ClockJumps, LostResponses, Answers5xx         int
+	Outages, LostCommits, Answers503              int
+	Reorders, LostAcks, DuplicatePublishes        int
 }
 
 // add adds other's counts to c.
@@ -95,6 +101,12 @@ func (c *simCounts) add(other simCounts) {
 	c.ClockJumps += other.ClockJumps
 	c.LostResponses += other.LostResponses
 	c.Answers5xx += other.Answers5xx
+	c.Outages += other.Outages
+	c.LostCommits += other.LostCommits
+	c.Answers503 += other.Answers503
+	c.Reorders += other.Reorders
+	c.LostAcks += other.LostAcks
+	c.DuplicatePublishes += other.DuplicatePublishes
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -119,6 +131,9 @@ type simAction struct {
 	// crashed is set when its process crashed: the point where it waits
 	// returns errCrash.
 	crashed bool
+	// sawOutage is set when a database call of the action failed for an
+	// outage: it may then fail, or answer 503, for that reason.
+	sawOutage bool
 	// request and recorder are a client request's; result a worker pass's.
 	request  *simRequest
 	recorder *httptest.ResponseRecorder
@@ -146,6 +161,9 @@ type simRequest struct {
 	answers              []simAnswer
 	inFlight             int
 	orderID, webhookFrom string
+	// commitLost: a commit of this request landed, and the connection
+	// dropped before its answer arrived.
+	commitLost bool
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -158,21 +176,29 @@ type simAnswer struct {
 
 // simulation is the state of one run.
 type simulation struct {
-	opts      simOptions
-	rng       *rand.Rand
-	clock     *fakeClock
-	app       *App
-	auditor   *auditor
-	handler   http.Handler
-	secret    []byte
-	processes []*simProcess
-	clients   []*simClient
-	actions   []*simAction
-	current   *simAction
-	nextID    int
-	step      int
-	quiescing bool
-	webhooks  []string
+	opts  simOptions
+	rng   *rand.Rand
+	clock *fakeClock
+	app   *App
+	// direct is a handle on the database that no outage reaches: the
+	// processor's, and the simulator's own for its checks.
+	direct *sql.DB
+	// network is the connection between the App and its database (nil on
+	// PostgreSQL, where the simulator injects no outage); the outage it is
+	// in, if any, ends at step outageEnds.
+	network    *simDatabase
+	outageEnds int
+	auditor    *auditor
+	handler    http.Handler
+	secret     []byte
+	processes  []*simProcess
+	clients    []*simClient
+	actions    []*simAction
+	current    *simAction
+	nextID     int
+	step       int
+	quiescing  bool
+	webhooks   []string
 	// refusedEvents are the ids of the signed events the simulator made
 	// invalid on purpose: poison is the right outcome for them.
 	refusedEvents []string
@@ -208,13 +234,16 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 	for i := range 8 {
 		seed[i] = byte(opts.seed >> (8 * i))
 	}
-	app, err := openApp(ctx, path, s.clock.now, newIDs(rand.NewChaCha8(seed)), s.faultHook)
+	app, err := s.openApp(ctx, path, newIDs(rand.NewChaCha8(seed)))
 	if err != nil {
 		return simReport{}, err
 	}
 	defer app.db.Close()
+	if s.direct != app.db {
+		defer s.direct.Close()
+	}
 	s.app = app
-	s.auditor, err = prepareAuditor(ctx, app.db)
+	s.auditor, err = prepareAuditor(ctx, s.direct)
 	if err != nil {
 		return simReport{}, err
 	}
@@ -250,6 +279,78 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 		return s.report, nil
 	}
 	return s.report, err
+}
+
+// openApp opens the App the simulation drives. On SQLite its database is
+// reached through the simulated network (simulate_faults.go), and the
+// processor, which is another company's system, through a direct handle
+// that the network's outages do not reach. Its broker delivers through
+// simBroker.
+func (s *simulation) openApp(ctx context.Context, path string, ids func(string) string) (*App, error) {
+	if isPostgresURL(path) {
+		app, err := openApp(ctx, path, s.clock.now, ids, s.faultHook)
+		if err != nil {
+			return nil, err
+		}
+		s.direct = app.db
+		app.broker = &simBroker{messageBroker: app.broker, s: s}
+		return app, nil
+	}
+	s.network = &simDatabase{
+		refused: func() {
+			if s.current != nil {
+				s.current.sawOutage = true
+			}
+		},
+		commitLost: func() {
+			if s.current != nil {
+				s.current.sawOutage = true
+				if s.current.request != nil {
+					s.current.request.commitLost = true
+				}
+			}
+			s.report.Counts.LostCommits++
+			s.tracef("a commit lands, and the connection drops before its answer does")
+			s.beginOutage()
+		},
+	}
+	db, err := openSimDatabase(ctx, path, s.network)
+	if err != nil {
+		return nil, err
+	}
+	direct, err := openDB(ctx, path)
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	app := newApp(db, s.clock.now, ids, s.faultHook)
+	app.processor.db = direct
+	app.broker = &simBroker{messageBroker: app.broker, s: s}
+	if err := app.subscribeConsumers(ctx); err != nil {
+		db.Close()
+		direct.Close()
+		return nil, err
+	}
+	s.direct = direct
+	return app, nil
+}
+
+// beginOutage takes the database down for a few steps.
+func (s *simulation) beginOutage() {
+	s.network.down = true
+	s.outageEnds = s.step + 2 + s.rng.IntN(12)
+	s.report.Counts.Outages++
+	s.tracef("the database is unreachable until step %d", s.outageEnds)
+}
+
+// endOutage brings the database back.
+func (s *simulation) endOutage() {
+	if s.network == nil || !s.network.down {
+		return
+	}
+	s.network.down = false
+	s.network.loseCommit = false
+	s.tracef("the database is reachable again")
 }
 
 // simFailure is a broken promise: an invariant, or an answer a client
@@ -302,6 +403,9 @@ func (s *simulation) run(ctx context.Context) error {
 
 // oneStep picks and does one thing.
 func (s *simulation) oneStep(ctx context.Context) error {
+	if s.network != nil && s.network.down && s.step >= s.outageEnds {
+		s.endOutage()
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -313,8 +417,11 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	case roll < 95:
 		s.jumpClock()
 		return nil
-	default:
+	case roll < 99 || s.network == nil || s.network.down:
 		return s.crash(ctx, pick(s, s.processes))
+	default:
+		s.beginOutage()
+		return nil
 	}
 }
 
@@ -376,6 +483,17 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			s.report.Counts.Crashes++
 			return errCrash
 		}
+		if s.network != nil && !s.network.down {
+			switch roll := s.rng.IntN(100); {
+			case roll < 1:
+				// The connection drops mid-transaction: its next
+				// statement, or its commit, fails.
+				s.tracef("a%d %s: the database becomes unreachable at %s", action.id, action.process.name, point)
+				s.beginOutage()
+			case roll < 2:
+				s.network.loseCommit = true
+			}
+		}
 		return nil
 	}
 	// Mostly the process just goes on; sometimes it is held here while
@@ -435,9 +553,9 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 		return s.answered(ctx, action)
 	}
 	s.tracef("a%d %s %s: %s", action.id, action.process.name, action.what, action.result)
-	if action.err != nil && !action.crashed {
+	if action.err != nil && !action.crashed && !(action.sawOutage && onlyUnavailable(action.err)) {
 		// A worker pass reports only what it could not handle: a bug, or
-		// a database failure, and the simulator injects no outage.
+		// the database it could not reach.
 		return s.fail("%s %s failed: %v", action.process.name, action.what, action.err)
 	}
 	return nil
@@ -620,7 +738,7 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	}
 	var chargeID, orderID string
 	var amount, refunded int64
-	err := s.app.db.QueryRowContext(ctx, `
+	err := s.direct.QueryRowContext(ctx, `
 		SELECT charge_id, order_id, amount_cents, refunded_cents FROM processor_charges
 		WHERE status = 'succeeded' ORDER BY charge_id LIMIT 1 OFFSET ?`, s.rng.IntN(8)).Scan(&chargeID, &orderID, &amount, &refunded)
 	if err != nil {
@@ -671,6 +789,15 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		s.report.Counts.Answers5xx++
 		return s.fail("%s %s key %s got %d: %s", req.method, req.path, req.key, answer.status, answer.body)
 	}
+	if answer.status == http.StatusServiceUnavailable {
+		s.report.Counts.Answers503++
+		// A create has nothing transient to wait for but its database. (A
+		// refund may wait for the processor, a webhook for its order's
+		// payment to be recorded.)
+		if !action.sawOutage && (req.kind == "create" || req.kind == "hostile") {
+			return s.fail("%s %s key %s got 503 with the database up: %s", req.method, req.path, req.key, answer.body)
+		}
+	}
 	// Once a request has its answer, the same request (same key, same body)
 	// gets that answer again, byte for byte, while the key lives: a day from
 	// the answer at least. (A webhook has no key: its redelivery is
@@ -685,7 +812,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	}
 	switch req.kind {
 	case "hostile":
-		if answer.status != http.StatusBadRequest {
+		if answer.status != http.StatusBadRequest && answer.status != http.StatusServiceUnavailable {
 			return s.fail("hostile body %s got %d, want 400: %s", req.body, answer.status, answer.body)
 		}
 	case "create":
@@ -713,7 +840,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		// then may it be refused as expired.
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyExpired {
 			var settledAt string
-			err := s.app.db.QueryRowContext(ctx, `SELECT updated_at FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
+			err := s.direct.QueryRowContext(ctx, `SELECT updated_at FROM refunds WHERE order_id = ? AND idempotency_key = ?`,
 				req.orderID, req.key).Scan(&settledAt)
 			if err != nil {
 				return s.fail("refund key %s refused as expired, but no refund was made under it: %v", req.key, err)
@@ -796,6 +923,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 func (s *simulation) quiesce(ctx context.Context) error {
 	s.quiescing = true
 	s.tracef("quiesce: no more faults")
+	s.endOutage()
 	for len(s.actions) > 0 {
 		if err := s.resume(ctx, s.actions[0]); err != nil {
 			return err
@@ -904,7 +1032,7 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 			told[orderID] = true
 			var n int
 			var user string
-			err := s.app.db.QueryRowContext(ctx, `SELECT COUNT(*), MIN(user_id) FROM orders WHERE order_id = ?`, orderID).Scan(&n, &user)
+			err := s.direct.QueryRowContext(ctx, `SELECT COUNT(*), MIN(user_id) FROM orders WHERE order_id = ?`, orderID).Scan(&n, &user)
 			if err != nil {
 				return fmt.Errorf("read order: %w", err)
 			}
@@ -918,13 +1046,13 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 				case req.kind == "refund" && answer.status == http.StatusOK:
 					refundID := orderField([]byte(answer.body), "refund_id")
 					var status string
-					err := s.app.db.QueryRowContext(ctx, `SELECT status FROM refunds WHERE refund_id = ?`, refundID).Scan(&status)
+					err := s.direct.QueryRowContext(ctx, `SELECT status FROM refunds WHERE refund_id = ?`, refundID).Scan(&status)
 					if err != nil || status != "succeeded" {
 						return s.fail("%s got 200 for refund %s, which is %q (%v)", client.name, refundID, status, err)
 					}
 				case req.kind == "hostile":
 					var n int
-					err := s.app.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
+					err := s.direct.QueryRowContext(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
 						client.user, req.key).Scan(&n)
 					if err != nil || n != 0 {
 						return s.fail("hostile request under key %s left %d key rows (%v)", req.key, n, err)
@@ -933,21 +1061,71 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 			}
 		}
 	}
-	rows, err := s.app.db.QueryContext(ctx, `SELECT order_id FROM orders ORDER BY order_id`)
+	rows, err := s.direct.QueryContext(ctx, `SELECT order_id FROM orders ORDER BY order_id`)
 	if err != nil {
 		return fmt.Errorf("read orders: %w", err)
 	}
-	defer rows.Close()
+	var untold []string
 	for rows.Next() {
 		var orderID string
 		if err := rows.Scan(&orderID); err != nil {
+			rows.Close()
 			return fmt.Errorf("read orders: %w", err)
 		}
 		if !told[orderID] {
+			untold = append(untold, orderID)
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read orders: %w", err)
+	}
+	for _, orderID := range untold {
+		if !s.answerLostAndKeyExpired(ctx, orderID) {
 			return s.fail("order %s exists, but no client was ever told of it", orderID)
 		}
 	}
-	return rows.Err()
+	return nil
+}
+
+// answerLostAndKeyExpired reports whether order orderID, which no client
+// was told of, was made by a request whose commit landed while its answer
+// was lost (the client got a 503), and whose client did not ask again
+// under that key until the key had expired: the client gave up on the
+// request too late to learn its outcome, which the 503 told it to do. Any
+// other untold order is a broken promise.
+func (s *simulation) answerLostAndKeyExpired(ctx context.Context, orderID string) bool {
+	var user, key, createdAt string
+	err := s.direct.QueryRowContext(ctx, `SELECT user_id, idempotency_key, created_at FROM orders WHERE order_id = ?`, orderID).
+		Scan(&user, &key, &createdAt)
+	if err != nil {
+		return false
+	}
+	created, err := time.Parse(timeFormat, createdAt)
+	if err != nil {
+		return false
+	}
+	for _, client := range s.clients {
+		if client.user != user {
+			continue
+		}
+		for _, req := range client.requests {
+			if req.key != key || !req.commitLost {
+				continue
+			}
+			askedInTime := false
+			for _, answer := range req.answers {
+				since := answer.at.Sub(created)
+				askedInTime = askedInTime || (definitive(answer) && since >= 0 && since < idempotencyKeyTTL)
+			}
+			if !askedInTime {
+				s.tracef("order %s was made under key %s, whose answer was lost; %s did not ask again within the key's day",
+					orderID, key, client.name)
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // newSimulateCommand builds "retrysafe simulate".
@@ -962,8 +1140,10 @@ func newSimulateCommand() *cobra.Command {
 		Long: `simulate runs every layer in one process, driven by one seeded random source:
 virtual clients (new requests, retries, concurrent duplicates, keys reused
 after expiry, refunds, hostile bodies, signed webhooks), workers under
-leases, process crashes, pauses past a lease, clock jumps and lost processor
-responses. After every step the in-flight invariants of check must hold; at
+leases, process crashes, pauses past a lease, clock jumps, lost processor
+responses, database outages (on SQLite; one may begin inside a transaction,
+or just after a commit, whose answer is then lost), and a broker that
+delivers a batch out of order, loses acks and gets publishes twice. After every step the in-flight invariants of check must hold; at
 the end the system is made quiet and the full check and every answer the
 clients got are checked.
 
@@ -1002,17 +1182,22 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 				if seeds == 1 || trace {
 					c := report.Counts
 					fmt.Fprintf(out, "seed %d: %d steps, %d requests (%d retries, %d refunds, %d webhooks, %d hostile), "+
-						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses: ok\n",
+						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses, "+
+						"%d database outages (%d commits whose answer was lost, %d answers 503), "+
+						"%d batches delivered out of order, %d lost acks, %d publishes sent twice: ok\n",
 						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
-						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses)
+						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
+						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes)
 				}
 			}
 			elapsed := time.Since(start)
 			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min); "+
-				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps\n",
+				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, "+
+				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks\n",
 				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
 				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
-				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps)
+				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
+				total.Outages, total.LostCommits, total.Reorders, total.LostAcks)
 			return nil
 		},
 	}

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -68,4 +70,61 @@ func TestSimulationIsDeterministic(t *testing.T) {
 func simulationDatabase(tb testing.TB) string {
 	tb.Helper()
 	return testDatabase(tb)
+}
+
+// Ensure the simulated network does what the simulator claims: while the
+// database is down every call fails as unavailable and a transaction it
+// cuts short leaves nothing; a lost commit is committed although its
+// caller got an error; once the outage ends the App works again.
+func TestSimulatedOutage(t *testing.T) {
+	ctx := context.Background()
+	network := &simDatabase{}
+	db, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	count := func() int {
+		t.Helper()
+		var n int
+		if err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM scratch`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	insert := func(tx *sql.Tx, key string) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO scratch (k) VALUES (?)`, key)
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE scratch (k TEXT)`); err != nil {
+		t.Fatal(err)
+	}
+
+	err = withTx(ctx, db, func(tx *sql.Tx) error {
+		if err := insert(tx, "cut-short"); err != nil {
+			return err
+		}
+		network.down = true
+		return insert(tx, "cut-short-2")
+	})
+	if !isDatabaseUnavailable(err) {
+		t.Fatalf("a transaction cut short by an outage returned %v, want an unavailable database", err)
+	}
+	if _, err := db.ExecContext(ctx, `SELECT 1`); !isDatabaseUnavailable(err) {
+		t.Fatalf("a statement during the outage returned %v, want an unavailable database", err)
+	}
+	network.down = false
+	if n := count(); n != 0 {
+		t.Fatalf("the transaction cut short left %d rows, want 0", n)
+	}
+
+	network.loseCommit = true
+	err = withTx(ctx, db, func(tx *sql.Tx) error { return insert(tx, "lost-answer") })
+	if !isDatabaseUnavailable(err) || !network.down {
+		t.Fatalf("a lost commit returned %v (database down: %v), want an unavailable database, and down", err, network.down)
+	}
+	network.down = false
+	if n := count(); n != 1 {
+		t.Fatalf("the commit whose answer was lost left %d rows, want 1: it landed", n)
+	}
 }

@@ -1,0 +1,335 @@
+// The simulator's outages and broker faults: what a network between the
+// processes and their database or broker does, played inside one process.
+//
+// A database outage is a connection wrapper (simConnector) over the SQLite
+// driver: while the database is "down", opening a connection, starting a
+// transaction, running a statement and committing all fail the way a
+// dropped connection does (driver.ErrBadConn, which isDatabaseUnavailable
+// recognises); a connection that saw the outage is thrown away, rolling
+// back what it held. The nastiest case of all is armed separately: a commit
+// that lands, after which the connection drops before its answer arrives,
+// so the caller sees an error for work that was done.
+//
+// The embedded broker lives in the same database, so its outage is the
+// database's. On top of it, simBroker plays what at-least-once brokers do
+// within their promises: a fetch hands a batch over in another order, an
+// ack is lost on the way (the message comes again after ackWait), and a
+// publish is sent twice (the broker's dedupe drops the copy).
+//
+// The processor is another company's system: it does not share our
+// outages, so it, and the simulator's own reads (the audit, the clients'
+// checks), use a second, direct handle on the file.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// errSimOutage is what every database call gets while the simulated
+// database is down.
+var errSimOutage = fmt.Errorf("the database is unreachable (a simulated outage): %w", driver.ErrBadConn)
+
+// errSimCommitLost is what a commit that landed returns when the
+// connection dropped before its answer arrived.
+var errSimCommitLost = fmt.Errorf("the connection dropped after the commit was sent (a simulated outage): %w", driver.ErrBadConn)
+
+// simDatabase is the network between the App and its database.
+type simDatabase struct {
+	// down: every call fails until the outage ends.
+	down bool
+	// loseCommit: the next commit lands, then the connection drops and an
+	// outage begins.
+	loseCommit bool
+	// refused is called each time a call fails for the outage (the
+	// simulator marks the running action with it); commitLost when a
+	// commit landed but its answer was lost.
+	refused, commitLost func()
+}
+
+// refuse returns errSimOutage while the database is down.
+func (d *simDatabase) refuse() error {
+	if !d.down {
+		return nil
+	}
+	if d.refused != nil {
+		d.refused()
+	}
+	return errSimOutage
+}
+
+// openSimDatabase opens the SQLite file at path (created and migrated as
+// openDB does) through a simConnector, with one connection, as openDB
+// would.
+func openSimDatabase(ctx context.Context, path string, network *simDatabase) (*sql.DB, error) {
+	migrated, err := openDB(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	drv := migrated.Driver()
+	migrated.Close()
+	dsn, err := sqliteDSN(path, durabilityNormal)
+	if err != nil {
+		return nil, err
+	}
+	db := sql.OpenDB(&simConnector{dsn: dsn, driver: drv, network: network})
+	db.SetMaxOpenConns(1)
+	db.SetMaxIdleConns(1)
+	return db, nil
+}
+
+// simConnector opens connections through the simulated network.
+type simConnector struct {
+	dsn     string
+	driver  driver.Driver
+	network *simDatabase
+}
+
+// Connect opens a connection, unless the database is down.
+func (c *simConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	if err := c.network.refuse(); err != nil {
+		return nil, err
+	}
+	conn, err := c.driver.Open(c.dsn)
+	if err != nil {
+		return nil, err
+	}
+	return &simConn{conn: conn, network: c.network}, nil
+}
+
+// Driver returns the SQLite driver.
+func (c *simConnector) Driver() driver.Driver { return c.driver }
+
+// simConn is one connection through the simulated network. Once it has
+// seen an outage it is broken: database/sql closes it (SQLite rolls back
+// whatever transaction it held) and opens another when the outage is over.
+type simConn struct {
+	conn    driver.Conn
+	network *simDatabase
+	broken  bool
+}
+
+// check fails, and breaks the connection, while the database is down.
+func (c *simConn) check() error {
+	if c.broken {
+		return errSimOutage
+	}
+	if err := c.network.refuse(); err != nil {
+		c.broken = true
+		return err
+	}
+	return nil
+}
+
+func (c *simConn) Prepare(query string) (driver.Stmt, error) {
+	return c.PrepareContext(context.Background(), query)
+}
+
+func (c *simConn) PrepareContext(ctx context.Context, query string) (driver.Stmt, error) {
+	if err := c.check(); err != nil {
+		return nil, err
+	}
+	stmt, err := c.conn.(driver.ConnPrepareContext).PrepareContext(ctx, query)
+	if err != nil {
+		return nil, err
+	}
+	return &simStmt{stmt: stmt, conn: c}, nil
+}
+
+func (c *simConn) Close() error { return c.conn.Close() }
+
+func (c *simConn) Begin() (driver.Tx, error) {
+	return c.BeginTx(context.Background(), driver.TxOptions{})
+}
+
+func (c *simConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	if err := c.check(); err != nil {
+		return nil, err
+	}
+	tx, err := c.conn.(driver.ConnBeginTx).BeginTx(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &simTx{tx: tx, conn: c}, nil
+}
+
+func (c *simConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	if err := c.check(); err != nil {
+		return nil, err
+	}
+	return c.conn.(driver.ExecerContext).ExecContext(ctx, query, args)
+}
+
+func (c *simConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
+	if err := c.check(); err != nil {
+		return nil, err
+	}
+	return c.conn.(driver.QueryerContext).QueryContext(ctx, query, args)
+}
+
+// CheckNamedValue lets the driver convert arguments as it would unwrapped.
+func (c *simConn) CheckNamedValue(v *driver.NamedValue) error {
+	if checker, ok := c.conn.(driver.NamedValueChecker); ok {
+		return checker.CheckNamedValue(v)
+	}
+	return driver.ErrSkip
+}
+
+// ResetSession throws a broken connection away.
+func (c *simConn) ResetSession(ctx context.Context) error {
+	if c.broken {
+		return driver.ErrBadConn
+	}
+	if resetter, ok := c.conn.(driver.SessionResetter); ok {
+		return resetter.ResetSession(ctx)
+	}
+	return nil
+}
+
+// IsValid reports whether the connection may go back to the pool.
+func (c *simConn) IsValid() bool {
+	if validator, ok := c.conn.(driver.Validator); ok && !validator.IsValid() {
+		return false
+	}
+	return !c.broken
+}
+
+// simTx is a transaction through the simulated network.
+type simTx struct {
+	tx   driver.Tx
+	conn *simConn
+}
+
+// Commit commits, unless the database is down (then nothing is committed:
+// the connection drops with the transaction open). Armed with loseCommit,
+// it commits and then reports the connection dropped.
+func (t *simTx) Commit() error {
+	if err := t.conn.check(); err != nil {
+		t.tx.Rollback()
+		return err
+	}
+	if err := t.tx.Commit(); err != nil {
+		return err
+	}
+	if t.conn.network.loseCommit {
+		t.conn.network.loseCommit = false
+		t.conn.network.down = true
+		t.conn.broken = true
+		if t.conn.network.commitLost != nil {
+			t.conn.network.commitLost()
+		}
+		return errSimCommitLost
+	}
+	return nil
+}
+
+// Rollback rolls back on the connection, whatever the network: a dropped
+// connection takes its transaction with it.
+func (t *simTx) Rollback() error { return t.tx.Rollback() }
+
+// simStmt is a prepared statement on a simConn.
+type simStmt struct {
+	stmt driver.Stmt
+	conn *simConn
+}
+
+func (s *simStmt) Close() error  { return s.stmt.Close() }
+func (s *simStmt) NumInput() int { return s.stmt.NumInput() }
+
+func (s *simStmt) Exec(args []driver.Value) (driver.Result, error) {
+	return nil, errors.New("bug: simStmt.Exec without a context")
+}
+
+func (s *simStmt) Query(args []driver.Value) (driver.Rows, error) {
+	return nil, errors.New("bug: simStmt.Query without a context")
+}
+
+func (s *simStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
+	if err := s.conn.check(); err != nil {
+		return nil, err
+	}
+	return s.stmt.(driver.StmtExecContext).ExecContext(ctx, args)
+}
+
+func (s *simStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
+	if err := s.conn.check(); err != nil {
+		return nil, err
+	}
+	return s.stmt.(driver.StmtQueryContext).QueryContext(ctx, args)
+}
+
+// onlyUnavailable reports whether err, and every error joined in it, says
+// the database was unavailable: what a worker pass may fail with during an
+// outage, and nothing else.
+func onlyUnavailable(err error) bool {
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range joined.Unwrap() {
+			if !onlyUnavailable(e) {
+				return false
+			}
+		}
+		return len(joined.Unwrap()) > 0
+	}
+	return isDatabaseUnavailable(err)
+}
+
+// simBroker is the broker as the network delivers it: at least once, in
+// an order the broker does not promise within a batch, with acks that may
+// be lost and publishes that may be sent twice.
+type simBroker struct {
+	messageBroker
+	s *simulation
+}
+
+// publishBatch publishes, and sometimes publishes again, as a relay whose
+// answer was lost would.
+func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
+	if err := b.messageBroker.publishBatch(ctx, msgs); err != nil {
+		return err
+	}
+	if !b.s.quiescing && len(msgs) > 0 && b.s.chance(0.1) {
+		b.s.report.Counts.DuplicatePublishes++
+		b.s.tracef("the broker gets %d messages twice (%s...)", len(msgs), msgs[0].ID)
+		return b.messageBroker.publishBatch(ctx, msgs)
+	}
+	return nil
+}
+
+// fetch hands a batch over, sometimes in another order.
+func (b *simBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
+	deliveries, err := b.messageBroker.fetch(ctx, subscriber, max)
+	if err != nil || len(deliveries) < 2 || b.s.quiescing || !b.s.chance(0.3) {
+		return deliveries, err
+	}
+	b.s.rng.Shuffle(len(deliveries), func(i, j int) { deliveries[i], deliveries[j] = deliveries[j], deliveries[i] })
+	b.s.report.Counts.Reorders++
+	b.s.tracef("the broker hands %s %d messages out of order", subscriber, len(deliveries))
+	return deliveries, nil
+}
+
+// ack acks, unless the ack is lost on the way: then the caller thinks it
+// acked, and the broker delivers the messages again after ackWait.
+func (b *simBroker) ack(ctx context.Context, deliveries ...delivery) error {
+	if len(deliveries) > 0 && !b.s.quiescing && b.s.chance(0.1) {
+		b.s.report.Counts.LostAcks++
+		b.s.tracef("the ack of %d deliveries to %s is lost", len(deliveries), deliveries[0].Subscriber)
+		return nil
+	}
+	return b.messageBroker.ack(ctx, deliveries...)
+}
+
+// nak asks for d again, unless the nak is lost: then d comes again after
+// ackWait instead of delay.
+func (b *simBroker) nak(ctx context.Context, d delivery, delay time.Duration) error {
+	if !b.s.quiescing && b.s.chance(0.1) {
+		b.s.report.Counts.LostAcks++
+		b.s.tracef("the nak of %s to %s is lost", d.ID, d.Subscriber)
+		return nil
+	}
+	return b.messageBroker.nak(ctx, d, delay)
+}
