@@ -93,6 +93,25 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:  "BrokerGivesUpAfterFiveDeliveries",
+			fault: "retrysafe fault 5: the broker gives up on a message after five deliveries (NATS MaxDeliver 5)",
+			edits: []mutationEdit{
+				{"broker.go", "WHERE subscriber = ? AND status = 'pending' AND visible_at <= ?", "WHERE subscriber = ? AND status = 'pending' AND visible_at <= ? AND delivery_count < 5"},
+			},
+		},
+		{
+			name:  "TransientFailureStoredAs500",
+			fault: "sample flaw 5: it stored any exception as a permanent 500",
+			// A lost processor answer is stored on the refund key as the
+			// request's outcome, as the sample stored every exception.
+			edits: []mutationEdit{
+				{"refund.go", "\tdefault:\n\t\t// A timeout: the refund may have happened. The retry (or the\n\t\t// completer) asks again with the same key and learns which.\n\t\treturn apiResponse{}, err\n\t}",
+					"\tdefault:\n\t\tstored := problemResponse(problem{Type: problemInternal, Title: \"Internal error\", Status: 500, Detail: err.Error()})\n" +
+						"\t\tif err := withTx(ctx, a.db, func(tx *sql.Tx) error { return completeKey(ctx, tx, req.UserID, req.IdempotencyKey, stored, a.now()) }); err != nil {\n" +
+						"\t\t\treturn apiResponse{}, err\n\t\t}\n\t\treturn stored, nil\n\t}"},
+			},
+		},
+		{
 			name:  "ExpiresAtNotRead",
 			fault: "sample flaw 4: it wrote expires_at and never read it",
 			edits: []mutationEdit{

@@ -161,9 +161,10 @@ type simRequest struct {
 	answers              []simAnswer
 	inFlight             int
 	orderID, webhookFrom string
-	// commitLost: a commit of this request landed, and the connection
-	// dropped before its answer arrived.
-	commitLost bool
+	// commitLostAt is when a commit of this request landed while the
+	// connection dropped before its answer arrived: the server stored an
+	// answer then that the client never got.
+	commitLostAt time.Time
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -183,22 +184,23 @@ type simulation struct {
 	// direct is a handle on the database that no outage reaches: the
 	// processor's, and the simulator's own for its checks.
 	direct *sql.DB
-	// network is the connection between the App and its database (nil on
-	// PostgreSQL, where the simulator injects no outage); the outage it is
-	// in, if any, ends at step outageEnds.
-	network    *simDatabase
-	outageEnds int
-	auditor    *auditor
-	handler    http.Handler
-	secret     []byte
-	processes  []*simProcess
-	clients    []*simClient
-	actions    []*simAction
-	current    *simAction
-	nextID     int
-	step       int
-	quiescing  bool
-	webhooks   []string
+	// network is the connection between the App and its database, and
+	// brokerNetwork between the App and its broker (both nil on
+	// PostgreSQL, where the simulator injects no outage).
+	network, brokerNetwork *simDatabase
+	// closeAlso are the handles to close with the App's.
+	closeAlso []*sql.DB
+	auditor   *auditor
+	handler   http.Handler
+	secret    []byte
+	processes []*simProcess
+	clients   []*simClient
+	actions   []*simAction
+	current   *simAction
+	nextID    int
+	step      int
+	quiescing bool
+	webhooks  []string
 	// refusedEvents are the ids of the signed events the simulator made
 	// invalid on purpose: poison is the right outcome for them.
 	refusedEvents []string
@@ -239,8 +241,8 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 		return simReport{}, err
 	}
 	defer app.db.Close()
-	if s.direct != app.db {
-		defer s.direct.Close()
+	for _, db := range s.closeAlso {
+		defer db.Close()
 	}
 	s.app = app
 	s.auditor, err = prepareAuditor(ctx, s.direct)
@@ -296,61 +298,83 @@ func (s *simulation) openApp(ctx context.Context, path string, ids func(string) 
 		app.broker = &simBroker{messageBroker: app.broker, s: s}
 		return app, nil
 	}
-	s.network = &simDatabase{
-		refused: func() {
-			if s.current != nil {
-				s.current.sawOutage = true
-			}
-		},
-		commitLost: func() {
-			if s.current != nil {
-				s.current.sawOutage = true
-				if s.current.request != nil {
-					s.current.request.commitLost = true
-				}
-			}
-			s.report.Counts.LostCommits++
-			s.tracef("a commit lands, and the connection drops before its answer does")
-			s.beginOutage()
-		},
-	}
+	s.network = s.newNetwork("the database")
+	s.brokerNetwork = s.newNetwork("the broker")
 	db, err := openSimDatabase(ctx, path, s.network)
 	if err != nil {
+		return nil, err
+	}
+	brokerDB, err := openSimDatabase(ctx, path, s.brokerNetwork)
+	if err != nil {
+		db.Close()
 		return nil, err
 	}
 	direct, err := openDB(ctx, path)
 	if err != nil {
 		db.Close()
+		brokerDB.Close()
 		return nil, err
 	}
 	app := newApp(db, s.clock.now, ids, s.faultHook)
 	app.processor.db = direct
-	app.broker = &simBroker{messageBroker: app.broker, s: s}
+	// The embedded broker stands for a broker of its own (NATS
+	// JetStream): it stays up while the database is down, and has
+	// outages of its own.
+	app.broker = &simBroker{messageBroker: &embeddedBroker{db: brokerDB, now: s.clock.now, fault: s.faultHook, ackWait: app.leases.ackWait}, s: s}
+	s.closeAlso = []*sql.DB{direct, brokerDB}
 	if err := app.subscribeConsumers(ctx); err != nil {
 		db.Close()
-		direct.Close()
 		return nil, err
 	}
 	s.direct = direct
 	return app, nil
 }
 
-// beginOutage takes the database down for a few steps.
-func (s *simulation) beginOutage() {
-	s.network.down = true
-	s.outageEnds = s.step + 2 + s.rng.IntN(12)
-	s.report.Counts.Outages++
-	s.tracef("the database is unreachable until step %d", s.outageEnds)
+// newNetwork returns the simulated network to the system named name: a
+// call that fails for its outage marks the running action; a commit whose
+// answer is lost begins an outage.
+func (s *simulation) newNetwork(name string) *simDatabase {
+	network := &simDatabase{name: name}
+	network.refused = func() {
+		if s.current != nil {
+			s.current.sawOutage = true
+		}
+	}
+	network.commitLost = func() {
+		if s.current != nil {
+			s.current.sawOutage = true
+			if s.current.request != nil {
+				s.current.request.commitLostAt = s.clock.now()
+			}
+		}
+		s.report.Counts.LostCommits++
+		s.tracef("a commit to %s lands, and the connection drops before its answer does", name)
+		s.beginOutage(network)
+	}
+	return network
 }
 
-// endOutage brings the database back.
-func (s *simulation) endOutage() {
-	if s.network == nil || !s.network.down {
+// beginOutage makes network's system unreachable for a few steps.
+func (s *simulation) beginOutage(network *simDatabase) {
+	network.down = true
+	network.ends = s.step + 2 + s.rng.IntN(12)
+	if s.chance(0.25) {
+		// A long one: longer than the broker's ackWait, longer than five
+		// deliveries of a message whose consumer cannot commit.
+		network.ends = s.step + 20 + s.rng.IntN(40)
+	}
+	s.report.Counts.Outages++
+	s.tracef("%s is unreachable until step %d", network.name, network.ends)
+}
+
+// endOutage makes network's system reachable again.
+func (s *simulation) endOutage(network *simDatabase) {
+	if network == nil || !network.down {
 		return
 	}
-	s.network.down = false
-	s.network.loseCommit = false
-	s.tracef("the database is reachable again")
+	network.down = false
+	network.loseCommit = false
+	s.tracef("%s is reachable again", network.name)
 }
 
 // simFailure is a broken promise: an invariant, or an answer a client
@@ -403,9 +427,13 @@ func (s *simulation) run(ctx context.Context) error {
 
 // oneStep picks and does one thing.
 func (s *simulation) oneStep(ctx context.Context) error {
-	if s.network != nil && s.network.down && s.step >= s.outageEnds {
-		s.endOutage()
+	for _, network := range []*simDatabase{s.network, s.brokerNetwork} {
+		if network != nil && network.down && s.step >= network.ends {
+			s.endOutage(network)
+		}
 	}
+	// Time passes between any two events, a little.
+	s.clock.advance(time.Duration(s.rng.IntN(400)) * time.Millisecond)
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -417,10 +445,12 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	case roll < 95:
 		s.jumpClock()
 		return nil
-	case roll < 99 || s.network == nil || s.network.down:
+	case roll < 99 || s.network == nil:
 		return s.crash(ctx, pick(s, s.processes))
 	default:
-		s.beginOutage()
+		if network := pick(s, []*simDatabase{s.network, s.brokerNetwork}); !network.down {
+			s.beginOutage(network)
+		}
 		return nil
 	}
 }
@@ -489,7 +519,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 				// The connection drops mid-transaction: its next
 				// statement, or its commit, fails.
 				s.tracef("a%d %s: the database becomes unreachable at %s", action.id, action.process.name, point)
-				s.beginOutage()
+				s.beginOutage(s.network)
 			case roll < 2:
 				s.network.loseCommit = true
 			}
@@ -869,7 +899,8 @@ func definitive(answer simAnswer) bool {
 }
 
 // lastAnswerUnderKey returns the time of the latest definitive answer that
-// a request of client other than except got under key.
+// a request of client other than except got under key, or that the server
+// stored for it when the answer was lost on the way.
 func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time.Time, bool) {
 	var last time.Time
 	found := false
@@ -881,6 +912,9 @@ func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time
 			if definitive(answer) && (!found || answer.at.After(last)) {
 				last, found = answer.at, true
 			}
+		}
+		if !req.commitLostAt.IsZero() && (!found || req.commitLostAt.After(last)) {
+			last, found = req.commitLostAt, true
 		}
 	}
 	return last, found
@@ -923,7 +957,8 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 func (s *simulation) quiesce(ctx context.Context) error {
 	s.quiescing = true
 	s.tracef("quiesce: no more faults")
-	s.endOutage()
+	s.endOutage(s.network)
+	s.endOutage(s.brokerNetwork)
 	for len(s.actions) > 0 {
 		if err := s.resume(ctx, s.actions[0]); err != nil {
 			return err
@@ -1110,7 +1145,7 @@ func (s *simulation) answerLostAndKeyExpired(ctx context.Context, orderID string
 			continue
 		}
 		for _, req := range client.requests {
-			if req.key != key || !req.commitLost {
+			if req.key != key || req.commitLostAt.IsZero() {
 				continue
 			}
 			askedInTime := false

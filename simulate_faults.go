@@ -10,8 +10,11 @@
 // that lands, after which the connection drops before its answer arrives,
 // so the caller sees an error for work that was done.
 //
-// The embedded broker lives in the same database, so its outage is the
-// database's. On top of it, simBroker plays what at-least-once brokers do
+// The embedded broker stands for a broker of its own (NATS JetStream), so
+// it is reached through a network of its own: it stays up while the
+// database is down (consumers fetch, fail to apply, and the message comes
+// again, and again), and it has outages of its own. On top of it,
+// simBroker plays what at-least-once brokers do
 // within their promises: a fetch hands a batch over in another order, an
 // ack is lost on the way (the message comes again after ackWait), and a
 // publish is sent twice (the broker's dedupe drops the copy).
@@ -39,10 +42,14 @@ var errSimOutage = fmt.Errorf("the database is unreachable (a simulated outage):
 // connection dropped before its answer arrived.
 var errSimCommitLost = fmt.Errorf("the connection dropped after the commit was sent (a simulated outage): %w", driver.ErrBadConn)
 
-// simDatabase is the network between the App and its database.
+// simDatabase is the network between the App and its database (or its
+// broker, which lives in the same file).
 type simDatabase struct {
-	// down: every call fails until the outage ends.
+	// name names the system for the trace.
+	name string
+	// down: every call fails until the outage ends, at step ends.
 	down bool
+	ends int
 	// loseCommit: the next commit lands, then the connection drops and an
 	// outage begins.
 	loseCommit bool
