@@ -117,10 +117,12 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	query.Set("_txlock", "immediate")
 	dsn := "file:" + path + "?" + query.Encode()
 
-	db, err := sql.Open("sqlite", dsn)
+	connector, err := sqlite.NewConnector(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
+	// Each connection keeps its prepared statements (see statements.go).
+	db := sql.OpenDB(sqliteConnector{connector})
 	// One connection per process. SQLite has one writer at a time anyway;
 	// with several connections, goroutines that want the write lock wait in
 	// SQLite's busy handler, which sleeps for milliseconds between tries.
