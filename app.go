@@ -75,7 +75,10 @@ func scaledLeaseTimes(scale float64) leaseTimes {
 // App holds what every layer shares. Its function fields are the test seams:
 // tests and the demo pass a fixed clock, predictable ids and a fault hook.
 type App struct {
-	db        *sql.DB
+	db *sql.DB
+	// readDB reads committed data beside db, without the write lock: GETs
+	// and the replay of a settled key (see readersOf).
+	readDB    *sql.DB
 	broker    messageBroker
 	processor *Processor
 
@@ -103,6 +106,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	leases := scaledLeaseTimes(1)
 	return &App{
 		db:        db,
+		readDB:    readersOf(db),
 		broker:    &embeddedBroker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
 		processor: &Processor{db: db, now: clock, newID: ids, fault: fault},
 		now:       clock,

@@ -121,8 +121,13 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
-	// Each connection keeps its prepared statements (see statements.go).
-	db := sql.OpenDB(sqliteConnector{connector})
+	readers, err := openSQLiteReaders(path)
+	if err != nil {
+		return nil, err
+	}
+	// Each connection keeps its prepared statements (see statements.go);
+	// closing db closes its readers too.
+	db := sql.OpenDB(sqliteConnector{Connector: connector, readers: readers})
 	// One connection per process. SQLite has one writer at a time anyway;
 	// with several connections, goroutines that want the write lock wait in
 	// SQLite's busy handler, which sleeps for milliseconds between tries.
@@ -141,6 +146,47 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 		return nil, fmt.Errorf("migrate %s: %w", path, err)
 	}
 	return db, nil
+}
+
+// maxSQLiteReaders is the size of a process's pool of SQLite read
+// connections: enough for GETs and replays to go on beside the writer and
+// each other on a few cores. In WAL mode a reader never waits for the
+// writer, nor the writer for it.
+const maxSQLiteReaders = 4
+
+// openSQLiteReaders returns a pool of read connections to the SQLite file at
+// path, which openDBWith has created and migrated. A reader sees only
+// committed transactions, each read as of the moment it starts, so what it
+// reads was there, whole, at that moment.
+//
+// They are not openReadOnlyDB's mode=ro connections: a connection that may
+// not write cannot create the WAL index either, and fails to open the file
+// whenever the last writer has closed and removed it. query_only refuses
+// every write from these connections all the same.
+func openSQLiteReaders(path string) (*sql.DB, error) {
+	query := url.Values{}
+	query.Add("_pragma", "busy_timeout(10000)")
+	query.Add("_pragma", "query_only(1)")
+	connector, err := sqlite.NewConnector("file:" + path + "?" + query.Encode())
+	if err != nil {
+		return nil, fmt.Errorf("open %s for reading: %w", path, err)
+	}
+	readers := sql.OpenDB(sqliteConnector{Connector: connector})
+	readers.SetMaxOpenConns(maxSQLiteReaders)
+	readers.SetMaxIdleConns(maxSQLiteReaders)
+	readers.SetConnMaxIdleTime(time.Minute)
+	return readers, nil
+}
+
+// readersOf returns the pool that reads of committed data may use beside
+// db: on SQLite, db's read connections (see openSQLiteReaders); otherwise db
+// itself, since PostgreSQL's pool has many connections, each reading
+// committed data only.
+func readersOf(db *sql.DB) *sql.DB {
+	if d, ok := db.Driver().(sqliteDriver); ok && d.readers != nil {
+		return d.readers
+	}
+	return db
 }
 
 // openReadOnlyDB opens an existing database for reading only, as inspect and

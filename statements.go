@@ -12,6 +12,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"fmt"
@@ -27,6 +28,30 @@ const maxCachedStatements = 256
 // statements (see statementConn).
 type sqliteConnector struct {
 	driver.Connector
+	// readers, if set, is the pool of read connections beside this write
+	// pool (see openSQLiteReaders); it is closed with the write pool.
+	readers *sql.DB
+}
+
+// Driver returns the SQLite driver, with the readers readersOf finds.
+func (c sqliteConnector) Driver() driver.Driver {
+	return sqliteDriver{Driver: c.Connector.Driver(), readers: c.readers}
+}
+
+// Close closes the readers. database/sql calls it when the write pool is
+// closed.
+func (c sqliteConnector) Close() error {
+	if c.readers == nil {
+		return nil
+	}
+	return c.readers.Close()
+}
+
+// sqliteDriver is the driver of a SQLite pool; readers are the read
+// connections beside it, if any.
+type sqliteDriver struct {
+	driver.Driver
+	readers *sql.DB
 }
 
 // Connect opens a connection.
