@@ -90,7 +90,8 @@ type App struct {
 	fault faultHook
 	// leases are the lease durations; see leaseTimes.
 	leases leaseTimes
-	// group, if set, commits API writes in groups (durabilityFull).
+	// group, if set, commits concurrent creates together (see
+	// groupcommit.go); on SQLite only.
 	group *groupCommitter
 }
 
@@ -104,6 +105,10 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		ids = newIDs(rand.Reader)
 	}
 	leases := scaledLeaseTimes(1)
+	var group *groupCommitter
+	if dialectOf(db).name == "sqlite" {
+		group = newGroupCommitter(db)
+	}
 	return &App{
 		db:        db,
 		readDB:    readersOf(db),
@@ -113,6 +118,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		newID:     ids,
 		fault:     fault,
 		leases:    leases,
+		group:     group,
 	}
 }
 

@@ -63,8 +63,8 @@ const (
 	durabilityNormal durability = "normal"
 	// durabilityFull (synchronous=FULL): a commit has been fsynced to the
 	// disk. One fsync per commit caps a serial writer near what the disk
-	// allows (a few thousand per second), so the API gathers concurrent
-	// requests into one commit (see groupcommit.go).
+	// allows (a few thousand per second); the API gathers concurrent
+	// requests into one commit (see groupcommit.go), as it does at NORMAL.
 	durabilityFull durability = "full"
 )
 
@@ -363,7 +363,9 @@ func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 // ends. On SQLite that is BEGIN IMMEDIATE; on PostgreSQL an advisory lock
 // on the key (see keyTxOptions in dialect.go). Every claim of a key goes
 // through it, whatever the endpoint, so two claims of one key always wait
-// for each other. Returns fn's error, or the database's.
+// for each other. (On SQLite a create's claim runs in a group commit's
+// transaction instead, see groupcommit.go: BEGIN IMMEDIATE all the same.)
+// Returns fn's error, or the database's.
 func keyTx(ctx context.Context, db *sql.DB, userID, key string, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)
 	return runTx(ctx, db, d, d.keyTxOptions, func(tx *sql.Tx) error {

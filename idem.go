@@ -328,8 +328,9 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 //   - a concurrent duplicate waits for the write lock, then finds the
 //     completed key and replays it.
 //
-// (writeTx is withTx, unless --durability=full gathers concurrent requests
-// into one commit; see groupcommit.go.)
+// (On SQLite, writeTx gathers concurrent requests into one commit, each in a
+// savepoint; a lone request runs in a transaction of its own, on its own
+// goroutine. See groupcommit.go.)
 //
 // Returns errKeyReused if the key belongs to another request. order must be
 // valid (see decodeOrderRequest); nothing here rejects input.
