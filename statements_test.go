@@ -147,3 +147,39 @@ func TestStatementCache(t *testing.T) {
 		}
 	})
 }
+
+func TestSQLiteReaders(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a read connection refuses to write: a bug that wrote through
+	// one would write outside the write lock's discipline.
+	t.Run("RefuseWrites", func(t *testing.T) {
+		readers := readersOf(mustOpenSQLite(t))
+		_, err := readers.ExecContext(ctx, `UPDATE stock_items SET available = 0`)
+		if err == nil {
+			t.Fatal("a read connection wrote")
+		}
+	})
+
+	// Ensure closing the write pool closes its readers, so a process (or a
+	// test's restart) leaves no connection behind.
+	t.Run("CloseWithTheWritePool", func(t *testing.T) {
+		db, err := openDB(ctx, filepath.Join(t.TempDir(), "test.db"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		readers := readersOf(db)
+		if readers == db {
+			t.Fatal("got the write pool as its own readers")
+		}
+		if err := readers.PingContext(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := db.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := readers.PingContext(ctx); err == nil {
+			t.Fatal("the readers still answer after the write pool closed")
+		}
+	})
+}
