@@ -75,7 +75,10 @@ func scaledLeaseTimes(scale float64) leaseTimes {
 // App holds what every layer shares. Its function fields are the test seams:
 // tests and the demo pass a fixed clock, predictable ids and a fault hook.
 type App struct {
-	db        *sql.DB
+	db *sql.DB
+	// readDB reads committed data beside db, without the write lock: GETs
+	// and the replay of a settled key (see readersOf).
+	readDB    *sql.DB
 	broker    messageBroker
 	processor *Processor
 
@@ -87,7 +90,8 @@ type App struct {
 	fault faultHook
 	// leases are the lease durations; see leaseTimes.
 	leases leaseTimes
-	// group, if set, commits API writes in groups (durabilityFull).
+	// group, if set, commits concurrent creates together (see
+	// groupcommit.go); on SQLite only.
 	group *groupCommitter
 }
 
@@ -101,14 +105,20 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		ids = newIDs(rand.Reader)
 	}
 	leases := scaledLeaseTimes(1)
+	var group *groupCommitter
+	if dialectOf(db).name == "sqlite" {
+		group = newGroupCommitter(db)
+	}
 	return &App{
 		db:        db,
+		readDB:    readersOf(db),
 		broker:    &embeddedBroker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
 		processor: &Processor{db: db, now: clock, newID: ids, fault: fault},
 		now:       clock,
 		newID:     ids,
 		fault:     fault,
 		leases:    leases,
+		group:     group,
 	}
 }
 

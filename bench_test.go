@@ -415,11 +415,8 @@ func BenchmarkDurable(b *testing.B) {
 		}
 		b.Run(name, func(b *testing.B) {
 			app := benchApp(b, durabilityFull)
-			if grouped {
-				groupCtx, stop := context.WithCancel(ctx)
-				defer stop()
-				app.group = newGroupCommitter(app.db)
-				go app.group.run(groupCtx)
+			if !grouped {
+				app.group = nil
 			}
 			var next atomic.Int64
 			b.SetParallelism(clients / max(1, runtimeProcs()))

@@ -63,8 +63,8 @@ const (
 	durabilityNormal durability = "normal"
 	// durabilityFull (synchronous=FULL): a commit has been fsynced to the
 	// disk. One fsync per commit caps a serial writer near what the disk
-	// allows (a few thousand per second), so the API gathers concurrent
-	// requests into one commit (see groupcommit.go).
+	// allows (a few thousand per second); the API gathers concurrent
+	// requests into one commit (see groupcommit.go), as it does at NORMAL.
 	durabilityFull durability = "full"
 )
 
@@ -102,10 +102,17 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
-	db, err := sql.Open("sqlite", dsn)
+	connector, err := sqlite.NewConnector(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
+	readers, err := openSQLiteReaders(path)
+	if err != nil {
+		return nil, err
+	}
+	// Each connection keeps its prepared statements (see statements.go);
+	// closing db closes its readers too.
+	db := sql.OpenDB(sqliteConnector{Connector: connector, readers: readers})
 	// One connection per process. SQLite has one writer at a time anyway;
 	// with several connections, goroutines that want the write lock wait in
 	// SQLite's busy handler, which sleeps for milliseconds between tries.
@@ -147,6 +154,47 @@ func sqliteDSN(path string, d durability) (string, error) {
 	// the busy timeout). A concurrent duplicate request simply waits.
 	query.Set("_txlock", "immediate")
 	return "file:" + path + "?" + query.Encode(), nil
+}
+
+// maxSQLiteReaders is the size of a process's pool of SQLite read
+// connections: enough for GETs and replays to go on beside the writer and
+// each other on a few cores. In WAL mode a reader never waits for the
+// writer, nor the writer for it.
+const maxSQLiteReaders = 4
+
+// openSQLiteReaders returns a pool of read connections to the SQLite file at
+// path, which openDBWith has created and migrated. A reader sees only
+// committed transactions, each read as of the moment it starts, so what it
+// reads was there, whole, at that moment.
+//
+// They are not openReadOnlyDB's mode=ro connections: a connection that may
+// not write cannot create the WAL index either, and fails to open the file
+// whenever the last writer has closed and removed it. query_only refuses
+// every write from these connections all the same.
+func openSQLiteReaders(path string) (*sql.DB, error) {
+	query := url.Values{}
+	query.Add("_pragma", "busy_timeout(10000)")
+	query.Add("_pragma", "query_only(1)")
+	connector, err := sqlite.NewConnector("file:" + path + "?" + query.Encode())
+	if err != nil {
+		return nil, fmt.Errorf("open %s for reading: %w", path, err)
+	}
+	readers := sql.OpenDB(sqliteConnector{Connector: connector})
+	readers.SetMaxOpenConns(maxSQLiteReaders)
+	readers.SetMaxIdleConns(maxSQLiteReaders)
+	readers.SetConnMaxIdleTime(time.Minute)
+	return readers, nil
+}
+
+// readersOf returns the pool that reads of committed data may use beside
+// db: on SQLite, db's read connections (see openSQLiteReaders); otherwise db
+// itself, since PostgreSQL's pool has many connections, each reading
+// committed data only.
+func readersOf(db *sql.DB) *sql.DB {
+	if d, ok := db.Driver().(sqliteDriver); ok && d.readers != nil {
+		return d.readers
+	}
+	return db
 }
 
 // openReadOnlyDB opens an existing database for reading only, as inspect and
@@ -323,7 +371,9 @@ func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 // ends. On SQLite that is BEGIN IMMEDIATE; on PostgreSQL an advisory lock
 // on the key (see keyTxOptions in dialect.go). Every claim of a key goes
 // through it, whatever the endpoint, so two claims of one key always wait
-// for each other. Returns fn's error, or the database's.
+// for each other. (On SQLite a create's claim runs in a group commit's
+// transaction instead, see groupcommit.go: BEGIN IMMEDIATE all the same.)
+// Returns fn's error, or the database's.
 func keyTx(ctx context.Context, db *sql.DB, userID, key string, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)
 	return runTx(ctx, db, d, d.keyTxOptions, func(tx *sql.Tx) error {

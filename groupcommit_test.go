@@ -1,17 +1,22 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
+	"strconv"
 	"sync"
 	"testing"
+
+	"modernc.org/sqlite"
 )
 
-// mustOpenDurableApp returns an App over a new synchronous=FULL database
-// that group commits its API writes until the test ends.
+// mustOpenDurableApp returns an App over a new synchronous=FULL database;
+// its creates group commit, as every SQLite App's do.
 func mustOpenDurableApp(tb testing.TB) *testEnv {
 	tb.Helper()
 	env := MustOpenApp(tb)
@@ -21,52 +26,151 @@ func mustOpenDurableApp(tb testing.TB) *testEnv {
 	}
 	tb.Cleanup(func() { db.Close() })
 	env.app = newApp(db, env.clock.now, env.ids, env.fault.hook)
-	ctx, cancel := context.WithCancel(context.Background())
-	env.app.group = newGroupCommitter(db)
-	go env.app.group.run(ctx)
-	tb.Cleanup(cancel)
 	return env
 }
 
+// goroutineID returns the id of the calling goroutine, from the first line
+// of its stack ("goroutine 42 [running]:").
+func goroutineID(tb testing.TB) int {
+	tb.Helper()
+	buf := make([]byte, 64)
+	buf = buf[:runtime.Stack(buf, false)]
+	field := bytes.Fields(buf)[1]
+	id, err := strconv.Atoi(string(field))
+	if err != nil {
+		tb.Fatalf("read goroutine id from %q: %v", buf, err)
+	}
+	return id
+}
+
+// onCommit calls hook whenever the write connection of db commits. db must
+// have one connection, as every SQLite write pool does.
+func onCommit(tb testing.TB, db *sql.DB, hook func()) {
+	tb.Helper()
+	conn, err := db.Conn(context.Background())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer conn.Close()
+	err = conn.Raw(func(driverConn any) error {
+		hooked, ok := driverConn.(*statementConn).sqliteDriverConn.(interface {
+			RegisterCommitHook(sqlite.CommitHookFn)
+		})
+		if !ok {
+			return fmt.Errorf("%T has no commit hook", driverConn)
+		}
+		hooked.RegisterCommitHook(func() int32 {
+			hook()
+			return 0 // go on with the commit
+		})
+		return nil
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// insertTestOrder returns work that writes the order orderID.
+func insertTestOrder(orderID string) func(ctx context.Context, tx *sql.Tx) error {
+	return func(ctx context.Context, tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `
+			INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, created_at, updated_at)
+			VALUES (?, 'u', 1, 'usd', '[]', 'pm_card_visa', 'created', '', '')`, orderID)
+		return err
+	}
+}
+
+// queueFollowers makes g look as if a leader were running and fns had
+// queued behind it, and returns their requests.
+func queueFollowers(g *groupCommitter, fns ...func(ctx context.Context, tx *sql.Tx) error) []groupRequest {
+	g.leading = true
+	for _, fn := range fns {
+		g.waiting = append(g.waiting, newGroupRequest(context.Background(), fn))
+	}
+	return g.waiting
+}
+
 func TestGroupCommit(t *testing.T) {
+	if onPostgres() {
+		t.Skip("group commit is SQLite's; on PostgreSQL each create is its own keyTx")
+	}
+	ctx := context.Background()
+
+	// Ensure a lone request runs its transaction on the goroutine that
+	// called it, so that a debugger steps from the handler into it.
+	t.Run("LoneRequestRunsOnItsOwnGoroutine", func(t *testing.T) {
+		env := MustOpenApp(t)
+		caller := goroutineID(t)
+		var worker int
+		env.app.fault = func(ctx context.Context, point faultPoint) error {
+			if point == faultAfterKeyClaim {
+				worker = goroutineID(t)
+			}
+			return nil
+		}
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if worker != caller {
+			t.Fatalf("the transaction ran on goroutine %d, want the caller's %d", worker, caller)
+		}
+	})
+
 	// Ensure one failing request in a batch rolls back only its own writes,
-	// and a panic is that request's error, not the batch's.
+	// and a panic goes on in its own request, not in the batch.
 	t.Run("FailureRollsBackOnlyItsSavepoint", func(t *testing.T) {
 		env := MustOpenApp(t)
 		g := newGroupCommitter(env.app.db)
-		insert := func(orderID string) func(tx *sql.Tx) error {
-			return func(tx *sql.Tx) error {
-				return insertOrder(context.Background(), tx, orderRow{OrderID: orderID, UserID: "u", AmountCents: 1, Currency: "usd",
-					Items: []orderItem{{SKU: "sku-1", Qty: 1}}, PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: formatTime(env.clock.now())})
-			}
-		}
-		failing := func(tx *sql.Tx) error {
-			if err := insert("ord_failing")(tx); err != nil {
+		failing := func(ctx context.Context, tx *sql.Tx) error {
+			if err := insertTestOrder("ord_failing")(ctx, tx); err != nil {
 				return err
 			}
 			return errors.New("business rule says no")
 		}
-		panicking := func(tx *sql.Tx) error {
-			if err := insert("ord_panicking")(tx); err != nil {
+		panicking := func(ctx context.Context, tx *sql.Tx) error {
+			if err := insertTestOrder("ord_panicking")(ctx, tx); err != nil {
 				return err
 			}
 			panic("bug")
 		}
-		fns := []func(tx *sql.Tx) error{insert("ord_1"), failing, insert("ord_2"), panicking, insert("ord_3")}
-		var batch []groupRequest
-		for _, fn := range fns {
-			batch = append(batch, groupRequest{fn: fn, done: make(chan error, 1)})
+		followers := queueFollowers(g, failing, insertTestOrder("ord_2"), panicking, insertTestOrder("ord_3"))
+		if err := g.lead(newGroupRequest(ctx, insertTestOrder("ord_1"))); err != nil {
+			t.Fatalf("leader: %v", err)
 		}
-		g.commit(batch)
 		var got []string
-		for _, req := range batch {
-			got = append(got, fmt.Sprint(<-req.done))
+		for _, req := range followers {
+			outcome := <-req.done
+			got = append(got, fmt.Sprintf("%v/%v", outcome.err, outcome.panicked))
 		}
-		if want := "[<nil> business rule says no <nil> panic in request: bug <nil>]"; fmt.Sprint(got) != want {
+		if want := "[business rule says no/<nil> <nil>/<nil> <nil>/bug <nil>/<nil>]"; fmt.Sprint(got) != want {
 			t.Fatalf("got %v, want %s", got, want)
 		}
-		if got := env.str(t, `SELECT string_agg(order_id, ',' ORDER BY order_id) FROM orders`); got != "ord_1,ord_2,ord_3" {
+		if got := env.str(t, `SELECT group_concat(order_id) FROM (SELECT order_id FROM orders ORDER BY order_id)`); got != "ord_1,ord_2,ord_3" {
 			t.Fatalf("stored %s, want ord_1,ord_2,ord_3", got)
+		}
+	})
+
+	// Ensure a leader whose own work fails rolls back alone, and the
+	// request that queued behind it leads the next batch.
+	t.Run("FailedLeaderHandsTheLeadOn", func(t *testing.T) {
+		env := MustOpenApp(t)
+		g := newGroupCommitter(env.app.db)
+		followers := queueFollowers(g, insertTestOrder("ord_2"))
+		failing := func(ctx context.Context, tx *sql.Tx) error {
+			if err := insertTestOrder("ord_failing")(ctx, tx); err != nil {
+				return err
+			}
+			return errors.New("business rule says no")
+		}
+		if err := g.lead(newGroupRequest(ctx, failing)); err == nil || err.Error() != "business rule says no" {
+			t.Fatalf("leader got %v, want its own error", err)
+		}
+		if outcome := <-followers[0].done; !outcome.lead {
+			t.Fatalf("follower got %+v, want the lead", outcome)
+		}
+		if err := g.lead(followers[0]); err != nil {
+			t.Fatalf("next leader: %v", err)
+		}
+		if got := env.str(t, `SELECT group_concat(order_id) FROM orders`); got != "ord_2" {
+			t.Fatalf("stored %s, want ord_2", got)
 		}
 	})
 
@@ -75,31 +179,107 @@ func TestGroupCommit(t *testing.T) {
 	t.Run("CancelledClientDoesNotFailTheBatch", func(t *testing.T) {
 		env := MustOpenApp(t)
 		g := newGroupCommitter(env.app.db)
-		insertAs := func(orderID string, hangUp func()) func(ctx context.Context, tx *sql.Tx) error {
-			return func(ctx context.Context, tx *sql.Tx) error {
-				if hangUp != nil {
-					hangUp()
-				}
-				_, err := tx.ExecContext(ctx, `
-					INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, created_at, updated_at)
-					VALUES (?, 'u', 1, 'usd', '[]', 'pm_card_visa', 'created', '', '')`, orderID)
-				return err
-			}
+		gone, hangUp := context.WithCancel(ctx)
+		g.leading = true
+		g.waiting = []groupRequest{
+			newGroupRequest(gone, func(ctx context.Context, tx *sql.Tx) error {
+				hangUp()
+				return insertTestOrder("ord_gone")(ctx, tx)
+			}),
+			newGroupRequest(ctx, insertTestOrder("ord_2")),
 		}
-		gone, hangUp := context.WithCancel(context.Background())
-		batch := []groupRequest{
-			newGroupRequest(context.Background(), insertAs("ord_1", nil)),
-			newGroupRequest(gone, insertAs("ord_gone", hangUp)),
-			newGroupRequest(context.Background(), insertAs("ord_2", nil)),
+		followers := g.waiting
+		if err := g.lead(newGroupRequest(ctx, insertTestOrder("ord_1"))); err != nil {
+			t.Fatalf("leader: %v", err)
 		}
-		g.commit(batch)
-		for i, req := range batch {
-			if err := <-req.done; err != nil {
-				t.Fatalf("request %d: %v", i, err)
+		for i, req := range followers {
+			if outcome := <-req.done; outcome.err != nil {
+				t.Fatalf("follower %d: %v", i, outcome.err)
 			}
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 3 {
 			t.Fatalf("got %d orders, want 3", got)
+		}
+	})
+
+	// Ensure no follower hears how its work went before the commit that
+	// holds it.
+	t.Run("NoRequestReturnsBeforeItsCommit", func(t *testing.T) {
+		env := MustOpenApp(t)
+		g := newGroupCommitter(env.app.db)
+		followers := queueFollowers(g, insertTestOrder("ord_2"), insertTestOrder("ord_3"))
+		commits := 0
+		onCommit(t, env.app.db, func() {
+			commits++
+			for i, req := range followers {
+				if len(req.done) != 0 {
+					t.Errorf("follower %d was answered before the commit", i)
+				}
+			}
+		})
+		if err := g.lead(newGroupRequest(ctx, insertTestOrder("ord_1"))); err != nil {
+			t.Fatalf("leader: %v", err)
+		}
+		for i, req := range followers {
+			if outcome := <-req.done; outcome.err != nil {
+				t.Fatalf("follower %d: %v", i, outcome.err)
+			}
+		}
+		if commits != 1 {
+			t.Fatalf("got %d commits, want the batch's one", commits)
+		}
+	})
+
+	// Ensure a request that queues while a batch commits is handed the lead
+	// of the next batch and runs it on its own goroutine.
+	t.Run("RequestQueuedDuringCommitLeadsTheNext", func(t *testing.T) {
+		env := MustOpenApp(t)
+		g := newGroupCommitter(env.app.db)
+		type result struct {
+			err       error
+			goroutine int
+			ranOn     int
+		}
+		next := make(chan result, 1)
+		once := sync.Once{}
+		onCommit(t, env.app.db, func() {
+			once.Do(func() {
+				go func() {
+					var r result
+					r.goroutine = goroutineID(t)
+					r.err = g.do(ctx, func(ctx context.Context, tx *sql.Tx) error {
+						r.ranOn = goroutineID(t)
+						return insertTestOrder("ord_next")(ctx, tx)
+					})
+					next <- r
+				}()
+				// Hold the commit until the request has queued.
+				for {
+					g.mu.Lock()
+					queued := len(g.waiting)
+					g.mu.Unlock()
+					if queued == 1 {
+						return
+					}
+					runtime.Gosched()
+				}
+			})
+		})
+		if err := g.do(ctx, insertTestOrder("ord_1")); err != nil {
+			t.Fatalf("first: %v", err)
+		}
+		r := <-next
+		if r.err != nil {
+			t.Fatalf("next: %v", r.err)
+		}
+		if r.ranOn != r.goroutine {
+			t.Fatalf("the next batch ran on goroutine %d, want its leader's %d", r.ranOn, r.goroutine)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM orders`); got != 2 {
+			t.Fatalf("got %d orders, want 2", got)
+		}
+		if g.leading {
+			t.Fatal("still leading after the last batch")
 		}
 	})
 

@@ -161,8 +161,26 @@ var errKeyNotFound = errors.New("idempotency key not found")
 // request that did the work answers (see runRefundPhases). A refund key
 // that already moved money for the order is refused in refundPhaseStarted.
 func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, now time.Time) (idempotencyKeyRow, error) {
+	key, err := readKey(ctx, tx, userID, idempotencyKey)
+	if err != nil {
+		return idempotencyKeyRow{}, err
+	}
+	if key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {
+		_, err := tx.ExecContext(ctx, `DELETE FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
+			userID, idempotencyKey)
+		if err != nil {
+			return idempotencyKeyRow{}, fmt.Errorf("delete expired idempotency key: %w", err)
+		}
+		return idempotencyKeyRow{}, errKeyNotFound
+	}
+	return key, nil
+}
+
+// readKey reads the caller's key as it is, expired or not. Returns
+// errKeyNotFound if there is none.
+func readKey(ctx context.Context, q queryer, userID, idempotencyKey string) (idempotencyKeyRow, error) {
 	var key idempotencyKeyRow
-	err := tx.QueryRowContext(ctx, `
+	err := q.QueryRowContext(ctx, `
 		SELECT user_id, idempotency_key, request_method, request_path, request_hash, request_params,
 		       status, recovery_point, locked_at, locked_by, response_status, response_body, response_location,
 		       created_at, expires_at
@@ -180,15 +198,41 @@ func lookupKey(ctx context.Context, tx *sql.Tx, userID, idempotencyKey string, n
 	if err != nil {
 		return idempotencyKeyRow{}, fmt.Errorf("read idempotency key: %w", err)
 	}
-	if key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {
-		_, err := tx.ExecContext(ctx, `DELETE FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ?`,
-			userID, idempotencyKey)
-		if err != nil {
-			return idempotencyKeyRow{}, fmt.Errorf("delete expired idempotency key: %w", err)
-		}
-		return idempotencyKeyRow{}, errKeyNotFound
-	}
 	return key, nil
+}
+
+// errKeyNotSettled is returned by replaySettledKey when the key's answer
+// cannot be given without the write lock: the key is missing, unfinished or
+// expired, and the request must claim it (or wait for whoever holds it).
+var errKeyNotSettled = errors.New("idempotency key is not settled")
+
+// replaySettledKey answers a retry whose key is settled: completed, with
+// its stored answer, and not expired by the App's clock. It reads from a
+// read connection, so a retry neither takes nor waits for the write lock.
+// Returns errKeyReused if the key was settled for another request, and
+// errKeyNotSettled if it is not settled: then only the write path
+// (createOrder's transaction) can decide.
+//
+// A read connection sees committed transactions only: a key whose
+// transaction is still open, or rolled back, is simply not there. A settled
+// key never changes until it expires (only lookupKey and cleanup delete it,
+// and only once expired), so the answer read here is the one the write
+// path would give.
+func replaySettledKey(ctx context.Context, readDB *sql.DB, req idempotentRequest, now time.Time) (apiResponse, error) {
+	key, err := readKey(ctx, readDB, req.UserID, req.IdempotencyKey)
+	if errors.Is(err, errKeyNotFound) {
+		return apiResponse{}, errKeyNotSettled
+	}
+	if err != nil {
+		return apiResponse{}, err
+	}
+	if key.Status != keyCompleted || key.RecoveryPoint != recoveryFinished || key.ExpiresAt <= formatTime(now) {
+		return apiResponse{}, errKeyNotSettled
+	}
+	if err := checkSameRequest(key, req); err != nil {
+		return apiResponse{}, err
+	}
+	return key.response(), nil
 }
 
 // insertKey claims a new key for req, leased to lease (or to nobody if
@@ -284,14 +328,21 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 //   - a concurrent duplicate waits for the write lock, then finds the
 //     completed key and replays it.
 //
-// (writeTx is withTx, unless --durability=full gathers concurrent requests
-// into one commit; see groupcommit.go.)
+// (On SQLite, writeTx gathers concurrent requests into one commit, each in a
+// savepoint; a lone request runs in a transaction of its own, on its own
+// goroutine. See groupcommit.go.)
 //
 // Returns errKeyReused if the key belongs to another request. order must be
 // valid (see decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
-	var response apiResponse
-	err := a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
+	// A retry of a settled request is answered from a read connection,
+	// without waiting for the write lock; anything else is decided below.
+	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
+	if !errors.Is(err, errKeyNotSettled) {
+		return response, err
+	}
+
+	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
 		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -433,6 +434,159 @@ func TestIdempotencyKeyLocking(t *testing.T) {
 		})
 		if !errors.Is(err, errKeyInProgress) {
 			t.Fatalf("insertCompletedKey again got %v, want errKeyInProgress", err)
+		}
+	})
+}
+
+// holdWriteLock takes SQLite's write lock on env's file from a connection of
+// its own, as another process would, until the test ends.
+func holdWriteLock(tb testing.TB, env *testEnv) {
+	tb.Helper()
+	other, err := openDB(context.Background(), env.path)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tx, err := other.BeginTx(context.Background(), nil) // BEGIN IMMEDIATE
+	if err != nil {
+		other.Close()
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		tx.Rollback()
+		other.Close()
+	})
+}
+
+func TestReplayFromReadConnection(t *testing.T) {
+	ctx := context.Background()
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	uncommitted := apiResponse{Status: 201, Body: []byte(`{"order_id":"ord_uncommitted"}`), Location: "/api/orders/ord_uncommitted"}
+
+	// Ensure a retry of a settled key is answered while another process
+	// holds the write lock. (A replay under the write lock would wait out
+	// busy_timeout, then fail.)
+	t.Run("DoesNotWaitForTheWriteLock", func(t *testing.T) {
+		if onPostgres() {
+			t.Skip("SQLite's single writer; PostgreSQL reads never wait for writers")
+		}
+		env := MustOpenApp(t)
+		first := mustCreateOrder(t, env, "user-42", "k1", body)
+		holdWriteLock(t, env)
+		retry := mustCreateOrder(t, env, "user-42", "k1", body)
+		if !retry.Replayed || !bytes.Equal(retry.Body, first.Body) {
+			t.Fatalf("got replayed=%v %s, want the replay of %s", retry.Replayed, retry.Body, first.Body)
+		}
+	})
+
+	// Ensure a retry and a GET are answered while this process's own write
+	// connection is in a transaction, as it is during every create. (On
+	// the write connection they would wait for it, here for ever.)
+	t.Run("DoesNotWaitForTheWriteConnection", func(t *testing.T) {
+		env := MustOpenApp(t)
+		first := mustCreateOrder(t, env, "user-42", "k1", body)
+		tx, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		retry := mustCreateOrder(t, env, "user-42", "k1", body)
+		if !retry.Replayed || !bytes.Equal(retry.Body, first.Body) {
+			t.Fatalf("got replayed=%v %s, want the replay of %s", retry.Replayed, retry.Body, first.Body)
+		}
+		orderID := strings.TrimPrefix(first.Location, "/api/orders/")
+		if _, err := env.app.orderDetails(ctx, orderID, "user-42"); err != nil {
+			t.Fatalf("GET while the write connection is in a transaction: %v", err)
+		}
+	})
+
+	// Ensure a response written by a transaction that has not committed
+	// is never served from a read connection; once committed, it is.
+	t.Run("UncommittedResponseIsNotServed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		req, _ := newOrderRequest(t, "user-42", "k1", body)
+		tx, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		if err := insertCompletedKey(ctx, tx, req, uncommitted, env.clock.now()); err != nil {
+			t.Fatal(err)
+		}
+		got, err := replaySettledKey(ctx, env.app.readDB, req, env.clock.now())
+		if !errors.Is(err, errKeyNotSettled) {
+			t.Fatalf("got %d %s, %v while its transaction is open; want errKeyNotSettled", got.Status, got.Body, err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		got, err = replaySettledKey(ctx, env.app.readDB, req, env.clock.now())
+		if err != nil || !got.Replayed || !bytes.Equal(got.Body, uncommitted.Body) {
+			t.Fatalf("got %s, %v after the commit; want the committed response %s", got.Body, err, uncommitted.Body)
+		}
+	})
+
+	// Ensure a response whose transaction rolled back is never served: the
+	// retry finds no key and does the work.
+	t.Run("RolledBackResponseIsNeverServed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		req, order := newOrderRequest(t, "user-42", "k1", body)
+		tx, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := insertCompletedKey(ctx, tx, req, uncommitted, env.clock.now()); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := replaySettledKey(ctx, env.app.readDB, req, env.clock.now()); !errors.Is(err, errKeyNotSettled) {
+			t.Fatalf("got %v while its transaction is open, want errKeyNotSettled", err)
+		}
+		if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := replaySettledKey(ctx, env.app.readDB, req, env.clock.now()); !errors.Is(err, errKeyNotSettled) {
+			t.Fatalf("got %v after the rollback, want errKeyNotSettled", err)
+		}
+		response, err := env.app.createOrder(ctx, req, order)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if response.Replayed || bytes.Equal(response.Body, uncommitted.Body) {
+			t.Fatalf("got replayed=%v %s, want a new order", response.Replayed, response.Body)
+		}
+	})
+
+	// Ensure a settled key is served only for the very same request.
+	t.Run("AnotherRequestIsRejected", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", body)
+		req, _ := newOrderRequest(t, "user-42", "k1", orderBody(9900, "sku-1", 2, pmCardVisa))
+		if got, err := replaySettledKey(ctx, env.app.readDB, req, env.clock.now()); !errors.Is(err, errKeyReused) {
+			t.Fatalf("got %d %s, %v; want errKeyReused", got.Status, got.Body, err)
+		}
+	})
+
+	// Ensure an expired or unfinished key is left to the write path, which
+	// deletes the first and reports the second in progress.
+	t.Run("ExpiredOrUnfinishedKeyIsNotServed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", body)
+		req, _ := newOrderRequest(t, "user-42", "k1", body)
+		env.clock.advance(idempotencyKeyTTL)
+		if got, err := replaySettledKey(ctx, env.app.readDB, req, env.clock.now()); !errors.Is(err, errKeyNotSettled) {
+			t.Fatalf("got %d %s, %v for an expired key; want errKeyNotSettled", got.Status, got.Body, err)
+		}
+		unfinished, order := newOrderRequest(t, "user-42", "k2", body)
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			return insertKey(ctx, tx, unfinished, recoveryStarted, "lease-1", env.clock.now())
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := replaySettledKey(ctx, env.app.readDB, unfinished, env.clock.now()); !errors.Is(err, errKeyNotSettled) {
+			t.Fatalf("got %v for an unfinished key, want errKeyNotSettled", err)
+		}
+		if _, err := env.app.createOrder(ctx, unfinished, order); !errors.Is(err, errKeyInProgress) {
+			t.Fatalf("got %v for an unfinished key, want errKeyInProgress", err)
 		}
 	})
 }

@@ -132,7 +132,7 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
 	cmd.Flags().BoolVar(&workers, "workers", true, "also run the relay, consumers, sagas, completer and cleanup")
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
-		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced, and concurrent orders are committed in groups")
+		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced; either way concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	addClockFlags(cmd, &clock)
@@ -190,12 +190,6 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return err
 	}
 	defer closeBroker()
-	groupCtx, stopGroup := context.WithCancel(context.Background())
-	defer stopGroup()
-	if d == durabilityFull {
-		app.group = newGroupCommitter(db)
-		go app.group.run(groupCtx)
-	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
@@ -220,8 +214,6 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	shutdownErr := httpServer.Shutdown(shutdownCtx)
-	// In-flight requests are done, so nobody waits on a group commit.
-	stopGroup()
 	stopLoops()
 	loops.Wait()
 	logger.Info("stopped")

@@ -310,7 +310,7 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 	}
 	order, err := decodeOrderRequest(req.CanonicalBody)
 	if err == nil {
-		err = checkSKUs(r.Context(), s.app.db, order.Items)
+		err = checkSKUs(r.Context(), s.app.readDB, order.Items)
 	}
 	if err != nil {
 		s.writeError(w, r, err)
@@ -421,9 +421,10 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 // orderDetails returns userID's order with its payment and saga. Returns
-// errOrderNotFound if the order does not exist or is another user's.
+// errOrderNotFound if the order does not exist or is another user's. It
+// reads on a read connection: a GET never waits for the write lock.
 func (a *App) orderDetails(ctx context.Context, orderID, userID string) (orderView, error) {
-	order, err := readOrder(ctx, a.db, orderID)
+	order, err := readOrder(ctx, a.readDB, orderID)
 	if err != nil {
 		return orderView{}, err
 	}
@@ -435,10 +436,10 @@ func (a *App) orderDetails(ctx context.Context, orderID, userID string) (orderVi
 		view.Payment = &paymentView{ChargeID: order.ChargeID.String, CapturedCents: order.AmountCents, RefundedCents: order.RefundedCents}
 	}
 	var sagaID string
-	err = a.db.QueryRowContext(ctx, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID).Scan(&sagaID)
+	err = a.readDB.QueryRowContext(ctx, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID).Scan(&sagaID)
 	switch {
 	case err == nil:
-		saga, steps, err := readSaga(ctx, a.db, sagaID)
+		saga, steps, err := readSaga(ctx, a.readDB, sagaID)
 		if err != nil {
 			return orderView{}, err
 		}
