@@ -172,10 +172,7 @@ const maxSQLiteReaders = 4
 // whenever the last writer has closed and removed it. query_only refuses
 // every write from these connections all the same.
 func openSQLiteReaders(path string) (*sql.DB, error) {
-	query := url.Values{}
-	query.Add("_pragma", "busy_timeout(10000)")
-	query.Add("_pragma", "query_only(1)")
-	connector, err := sqlite.NewConnector("file:" + path + "?" + query.Encode())
+	connector, err := sqlite.NewConnector(sqliteReadersDSN(path))
 	if err != nil {
 		return nil, fmt.Errorf("open %s for reading: %w", path, err)
 	}
@@ -184,6 +181,15 @@ func openSQLiteReaders(path string) (*sql.DB, error) {
 	readers.SetMaxIdleConns(maxSQLiteReaders)
 	readers.SetConnMaxIdleTime(time.Minute)
 	return readers, nil
+}
+
+// sqliteReadersDSN returns the data source name of a read connection to
+// the SQLite file at path.
+func sqliteReadersDSN(path string) string {
+	query := url.Values{}
+	query.Add("_pragma", "busy_timeout(10000)")
+	query.Add("_pragma", "query_only(1)")
+	return "file:" + path + "?" + query.Encode()
 }
 
 // readersOf returns the pool that reads of committed data may use beside

@@ -300,28 +300,32 @@ func (s *simulation) openApp(ctx context.Context, path string, ids func(string) 
 	}
 	s.network = s.newNetwork("the database")
 	s.brokerNetwork = s.newNetwork("the broker")
-	db, err := openSimDatabase(ctx, path, s.network)
+	db, readers, err := openSimDatabase(ctx, path, s.network)
 	if err != nil {
 		return nil, err
 	}
-	brokerDB, err := openSimDatabase(ctx, path, s.brokerNetwork)
+	brokerDB, brokerReaders, err := openSimDatabase(ctx, path, s.brokerNetwork)
 	if err != nil {
 		db.Close()
+		readers.Close()
 		return nil, err
 	}
+	brokerReaders.Close()
 	direct, err := openDB(ctx, path)
 	if err != nil {
 		db.Close()
+		readers.Close()
 		brokerDB.Close()
 		return nil, err
 	}
 	app := newApp(db, s.clock.now, ids, s.faultHook)
+	app.readDB = readers
 	app.processor.db = direct
 	// The embedded broker stands for a broker of its own (NATS
 	// JetStream): it stays up while the database is down, and has
 	// outages of its own.
 	app.broker = &simBroker{messageBroker: &embeddedBroker{db: brokerDB, now: s.clock.now, fault: s.faultHook, ackWait: app.leases.ackWait}, s: s}
-	s.closeAlso = []*sql.DB{direct, brokerDB}
+	s.closeAlso = []*sql.DB{readers, direct, brokerDB}
 	if err := app.subscribeConsumers(ctx); err != nil {
 		db.Close()
 		return nil, err

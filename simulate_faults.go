@@ -32,6 +32,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"modernc.org/sqlite"
 )
 
 // errSimOutage is what every database call gets while the simulated
@@ -71,29 +73,37 @@ func (d *simDatabase) refuse() error {
 }
 
 // openSimDatabase opens the SQLite file at path (created and migrated as
-// openDB does) through a simConnector, with one connection, as openDB
-// would.
-func openSimDatabase(ctx context.Context, path string, network *simDatabase) (*sql.DB, error) {
+// openDB does) through a simConnector: a write pool of one connection, as
+// openDB's, and its read connections, both reached through network.
+func openSimDatabase(ctx context.Context, path string, network *simDatabase) (db, readers *sql.DB, err error) {
 	migrated, err := openDB(ctx, path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	drv := migrated.Driver()
 	migrated.Close()
 	dsn, err := sqliteDSN(path, durabilityNormal)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	db := sql.OpenDB(&simConnector{dsn: dsn, driver: drv, network: network})
+	writer, err := sqlite.NewConnector(dsn)
+	if err != nil {
+		return nil, nil, err
+	}
+	reader, err := sqlite.NewConnector(sqliteReadersDSN(path))
+	if err != nil {
+		return nil, nil, err
+	}
+	db = sql.OpenDB(&simConnector{base: sqliteConnector{Connector: writer}, network: network})
 	db.SetMaxOpenConns(1)
 	db.SetMaxIdleConns(1)
-	return db, nil
+	readers = sql.OpenDB(&simConnector{base: sqliteConnector{Connector: reader}, network: network})
+	readers.SetMaxOpenConns(maxSQLiteReaders)
+	return db, readers, nil
 }
 
 // simConnector opens connections through the simulated network.
 type simConnector struct {
-	dsn     string
-	driver  driver.Driver
+	base    driver.Connector
 	network *simDatabase
 }
 
@@ -102,7 +112,7 @@ func (c *simConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	if err := c.network.refuse(); err != nil {
 		return nil, err
 	}
-	conn, err := c.driver.Open(c.dsn)
+	conn, err := c.base.Connect(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -110,7 +120,7 @@ func (c *simConnector) Connect(ctx context.Context) (driver.Conn, error) {
 }
 
 // Driver returns the SQLite driver.
-func (c *simConnector) Driver() driver.Driver { return c.driver }
+func (c *simConnector) Driver() driver.Driver { return c.base.Driver() }
 
 // simConn is one connection through the simulated network. Once it has
 // seen an outage it is broken: database/sql closes it (SQLite rolls back

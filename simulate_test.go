@@ -79,11 +79,12 @@ func simulationDatabase(tb testing.TB) string {
 func TestSimulatedOutage(t *testing.T) {
 	ctx := context.Background()
 	network := &simDatabase{}
-	db, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
+	db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer db.Close()
+	defer readers.Close()
 	count := func() int {
 		t.Helper()
 		var n int
