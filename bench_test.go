@@ -236,9 +236,9 @@ func BenchmarkConsume(b *testing.B) {
 
 // serveInProcess serves app's API on a loopback port the way serve does:
 // group commit when d is durabilityFull, and the relay and worker loops when
-// workers is set. Everything stops when tb ends, before app's database
+// workers is set, with a listener when target is a PostgreSQL database. Everything stops when tb ends, before app's database
 // closes.
-func serveInProcess(tb testing.TB, app *App, d durability, workers bool) *httptest.Server {
+func serveInProcess(tb testing.TB, app *App, target string, d durability, workers bool) *httptest.Server {
 	tb.Helper()
 	ctx, stop := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -324,7 +324,7 @@ func BenchmarkHTTP(b *testing.B) {
 		for _, clients := range []int{8, 64} {
 			b.Run(string(d)+"/clients-"+strconv.Itoa(clients), func(b *testing.B) {
 				app := benchApp(b, d)
-				ts := serveInProcess(b, app, d, false)
+				ts := serveInProcess(b, app, "", d, false)
 				client := benchClient(clients)
 				prefix := "http-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
 				b.ResetTimer()
@@ -351,7 +351,7 @@ func BenchmarkReplayHTTP(b *testing.B) {
 	for _, clients := range []int{1, 8} {
 		b.Run("clients-"+strconv.Itoa(clients), func(b *testing.B) {
 			app := benchApp(b, durabilityNormal)
-			ts := serveInProcess(b, app, durabilityNormal, false)
+			ts := serveInProcess(b, app, "", durabilityNormal, false)
 			client := benchClient(clients)
 			status, first, err := postOrder(client, ts.URL, "replay-1", body)
 			if err != nil || status != http.StatusCreated {
@@ -503,7 +503,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			if err := app.subscribeConsumers(ctx); err != nil {
 				b.Fatal(err)
 			}
-			ts := serveInProcess(b, app, durabilityNormal, true)
+			ts := serveInProcess(b, app, target, durabilityNormal, true)
 			watcher := watchFinal(b, target)
 			client := benchClient(clients)
 			latencies := make([]time.Duration, b.N)
