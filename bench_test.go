@@ -256,6 +256,7 @@ func serveInProcess(tb testing.TB, app *App, target string, d durability, worker
 	if workers {
 		startRelayLoop(ctx, &loops, app, "bench-serve", discardLogger())
 		startWorkerLoops(ctx, &loops, app, "bench-serve", discardLogger())
+		startListener(ctx, &loops, app, target, discardLogger())
 	}
 	tb.Cleanup(func() {
 		ts.Close()

@@ -209,6 +209,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if workers {
 		startRelayLoop(loopCtx, &loops, app, workerName("serve"), logger)
 		startWorkerLoops(loopCtx, &loops, app, workerName("serve"), logger)
+		startListener(loopCtx, &loops, app, dbPath, logger)
 	}
 
 	served := make(chan error, 1)
@@ -287,6 +288,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	defer closeBroker()
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
+	startListener(ctx, &loops, app, dbPath, logger)
 	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))
 	loops.Wait()
 	logger.Info("stopped", "role", role)

@@ -13,10 +13,27 @@
 // transaction: a loop woken before the commit would find nothing and then
 // sleep through the work it was woken for.
 //
-// This works within one process. Processes that share the database find
-// each other's work by polling.
+// Across processes:
+//   - On PostgreSQL, inserting an outbox event or a delivery notifies a
+//     channel, in the writing transaction (schema_postgres.sql, version 3),
+//     and PostgreSQL delivers the notification only when that transaction
+//     commits. listenForWork, in every long-running process, turns the
+//     notifications into the same signals.
+//
+// Processes that share one SQLite file have neither, and find each other's
+// work by polling.
 
 package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
 
 // wakeup wakes one loop. Signals sent while the loop is busy collapse into
 // one: the loop runs passes until one finds nothing, so one pass after the
@@ -75,5 +92,87 @@ func newWakeups(consumerNames ...string) wakeups {
 func (w wakeups) published() {
 	for _, consumer := range w.consumers {
 		consumer.signal()
+	}
+}
+
+// The PostgreSQL notification channels, notified by the triggers in
+// schema_postgres.sql (version 3).
+const (
+	notifyOutbox     = "retrysafe_outbox"
+	notifyDeliveries = "retrysafe_deliveries"
+)
+
+// listenRetry bounds the pause before listenForWork connects again.
+const listenRetry = 30 * time.Second
+
+// startListener starts listenForWork in a goroutine if dbURL is a
+// PostgreSQL database; it exits when ctx is done.
+func startListener(ctx context.Context, wg *sync.WaitGroup, app *App, dbURL string, logger *slog.Logger) {
+	if !isPostgresURL(dbURL) {
+		return
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		listenForWork(ctx, app, dbURL, logger)
+	}()
+}
+
+// listenForWork LISTENs on a connection of its own to the PostgreSQL
+// database at dbURL and signals app's loops for each notification, until
+// ctx is done. A failed connection is opened again after a growing pause;
+// meanwhile the loops poll.
+func listenForWork(ctx context.Context, app *App, dbURL string, logger *slog.Logger) {
+	failures := 0
+	for ctx.Err() == nil {
+		err := listenOnce(ctx, app, dbURL, func() { failures = 0 })
+		if ctx.Err() != nil {
+			return
+		}
+		failures++
+		wait := min(time.Second<<min(failures-1, 5), listenRetry)
+		logger.Error("listen for work failed", "error", err, "retry_in", wait)
+		timer := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return
+		case <-timer.C:
+		}
+	}
+}
+
+// listenOnce connects, LISTENs, calls listening, and signals app's loops
+// for each notification until the connection fails or ctx is done.
+func listenOnce(ctx context.Context, app *App, dbURL string, listening func()) error {
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return fmt.Errorf("connect to %s: %w", redactURL(dbURL), err)
+	}
+	// A cancelled ctx must not keep Close from telling the server goodbye.
+	defer conn.Close(context.WithoutCancel(ctx))
+	for _, channel := range []string{notifyOutbox, notifyDeliveries} {
+		if _, err := conn.Exec(ctx, `LISTEN `+channel); err != nil {
+			return fmt.Errorf("listen %s: %w", channel, err)
+		}
+	}
+	listening()
+	// Work committed while nobody listened (before this connection, or
+	// while it was down) was announced to no one: look once.
+	app.wake.relay.signal()
+	app.wake.published()
+	for {
+		notification, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return fmt.Errorf("wait for notification: %w", err)
+		}
+		switch notification.Channel {
+		case notifyOutbox:
+			app.wake.relay.signal()
+		case notifyDeliveries:
+			app.wake.published()
+		default:
+			return fmt.Errorf("bug: notification on unknown channel %q", notification.Channel)
+		}
 	}
 }

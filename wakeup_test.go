@@ -141,4 +141,25 @@ func TestWakeup(t *testing.T) {
 		}
 		wg.Wait()
 	})
+
+	// Ensure on PostgreSQL that an order created by one process is paid by
+	// another process's loops, idle for an hour: the create's commit
+	// notifies (schema_postgres.sql, version 3) and the other process's
+	// listener wakes its relay.
+	t.Run("PostgresNotifyWakesAnotherProcess", func(t *testing.T) {
+		if !onPostgres() {
+			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+		}
+		target := testDatabase(t)
+		api := openIdleApp(t, target)
+		workers := openIdleApp(t, target)
+		apiServer := serveInProcess(t, api, target, durabilityNormal, false)
+		serveInProcess(t, workers, target, durabilityNormal, true)
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		// The first order may be found by the worker process's first passes;
+		// the second can only be found through a notification.
+		createPaidOrder(t, client, apiServer.URL, watcher, "notify-1")
+		createPaidOrder(t, client, apiServer.URL, watcher, "notify-2")
+	})
 }
