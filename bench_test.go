@@ -562,6 +562,9 @@ func useBenchNATS(b *testing.B, app *App) {
 		}
 		broker.close()
 	})
+	if err := broker.onAnnounce(app.wake.published); err != nil {
+		b.Fatal(err)
+	}
 	app.broker = broker
 }
 

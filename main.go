@@ -361,6 +361,10 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	if err != nil {
 		return nil, err
 	}
+	if err := broker.onAnnounce(app.wake.published); err != nil {
+		broker.close()
+		return nil, err
+	}
 	app.broker = broker
 	return broker.close, nil
 }

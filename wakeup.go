@@ -19,6 +19,9 @@
 //     and PostgreSQL delivers the notification only when that transaction
 //     commits. listenForWork, in every long-running process, turns the
 //     notifications into the same signals.
+//   - On NATS JetStream, the relay announces each batch JetStream has
+//     stored on a plain subject that every process subscribes to
+//     (natsBroker.announce).
 //
 // Processes that share one SQLite file have neither, and find each other's
 // work by polling.

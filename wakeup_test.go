@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -161,5 +162,55 @@ func TestWakeup(t *testing.T) {
 		// the second can only be found through a notification.
 		createPaidOrder(t, client, apiServer.URL, watcher, "notify-1")
 		createPaidOrder(t, client, apiServer.URL, watcher, "notify-2")
+	})
+
+	// Ensure with NATS JetStream (and PostgreSQL, so that the relay is woken
+	// across processes too) that an order is paid when the relay runs in one
+	// process and the consumers in another, all loops idle for an hour: the
+	// relay announces each stored batch, and the other process's consumers
+	// wake.
+	t.Run("NATSAnnouncementWakesAnotherProcess", func(t *testing.T) {
+		natsURL := os.Getenv("RETRYSAFE_TEST_NATS")
+		if !onPostgres() || natsURL == "" {
+			t.Skip("set " + testPostgresEnv + " and RETRYSAFE_TEST_NATS to run this test")
+		}
+		target := testDatabase(t)
+		stream := fmt.Sprintf("RTTEST%d_%d", os.Getpid(), natsStreamCounter.Add(1))
+		relayProcess := openIdleApp(t, target)
+		workerProcess := openIdleApp(t, target)
+		for _, app := range []*App{relayProcess, workerProcess} {
+			broker, err := openNATSBroker(context.Background(), natsURL, stream, app.leases.ackWait)
+			if err != nil {
+				t.Fatalf("NATS at %s: %v", natsURL, err)
+			}
+			t.Cleanup(broker.close)
+			if err := broker.onAnnounce(app.wake.published); err != nil {
+				t.Fatal(err)
+			}
+			app.broker = broker
+			if err := app.subscribeConsumers(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Cleanup(func() {
+			if err := relayProcess.broker.(*natsBroker).deleteStream(context.Background()); err != nil {
+				t.Error(err)
+			}
+		})
+		apiServer := serveInProcess(t, relayProcess, target, durabilityNormal, false)
+		ctx, stop := context.WithCancel(context.Background())
+		var loops sync.WaitGroup
+		startRelayLoop(ctx, &loops, relayProcess, "relay", discardLogger())
+		startListener(ctx, &loops, relayProcess, target, discardLogger())
+		startWorkerLoops(ctx, &loops, workerProcess, "worker", discardLogger())
+		startListener(ctx, &loops, workerProcess, target, discardLogger())
+		t.Cleanup(func() {
+			stop()
+			loops.Wait()
+		})
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		createPaidOrder(t, client, apiServer.URL, watcher, "nats-1")
+		createPaidOrder(t, client, apiServer.URL, watcher, "nats-2")
 	})
 }
