@@ -108,6 +108,10 @@ const (
 // listenRetry bounds the pause before listenForWork connects again.
 const listenRetry = 30 * time.Second
 
+// listenerName is the listening connection's application_name, so that
+// pg_stat_activity tells it from the pool's.
+const listenerName = "retrysafe listener"
+
 // startListener starts listenForWork in a goroutine if dbURL is a
 // PostgreSQL database; it exits when ctx is done.
 func startListener(ctx context.Context, wg *sync.WaitGroup, app *App, dbURL string, logger *slog.Logger) {
@@ -148,7 +152,12 @@ func listenForWork(ctx context.Context, app *App, dbURL string, logger *slog.Log
 // listenOnce connects, LISTENs, calls listening, and signals app's loops
 // for each notification until the connection fails or ctx is done.
 func listenOnce(ctx context.Context, app *App, dbURL string, listening func()) error {
-	conn, err := pgx.Connect(ctx, dbURL)
+	config, err := pgx.ParseConfig(dbURL)
+	if err != nil {
+		return fmt.Errorf("parse database URL %s: %w", redactURL(dbURL), err)
+	}
+	config.RuntimeParams["application_name"] = listenerName
+	conn, err := pgx.ConnectConfig(ctx, config)
 	if err != nil {
 		return fmt.Errorf("connect to %s: %w", redactURL(dbURL), err)
 	}

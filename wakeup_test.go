@@ -164,6 +164,32 @@ func TestWakeup(t *testing.T) {
 		createPaidOrder(t, client, apiServer.URL, watcher, "notify-2")
 	})
 
+	// Ensure on PostgreSQL that a listener whose connection was cut
+	// connects again: the next order is still paid by the other process,
+	// idle for an hour.
+	t.Run("PostgresListenerReconnects", func(t *testing.T) {
+		if !onPostgres() {
+			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+		}
+		target := testDatabase(t)
+		api := openIdleApp(t, target)
+		workers := openIdleApp(t, target)
+		apiServer := serveInProcess(t, api, target, durabilityNormal, false)
+		serveInProcess(t, workers, target, durabilityNormal, true)
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		createPaidOrder(t, client, apiServer.URL, watcher, "reconnect-1")
+		// (Every listener of this database: only these tests run one.)
+		var cut int
+		err := api.db.QueryRow(`
+			SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name = ? AND datname = current_database()`, listenerName).Scan(&cut)
+		if err != nil || cut == 0 {
+			t.Fatalf("cut the listener: got %d connections, %v; want at least 1", cut, err)
+		}
+		createPaidOrder(t, client, apiServer.URL, watcher, "reconnect-2")
+	})
+
 	// Ensure with NATS JetStream (and PostgreSQL, so that the relay is woken
 	// across processes too) that an order is paid when the relay runs in one
 	// process and the consumers in another, all loops idle for an hour: the
