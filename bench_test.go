@@ -234,6 +234,9 @@ func BenchmarkConsume(b *testing.B) {
 	reportOpsPerSecond(b, "deliveries/s")
 }
 
+// servedApps numbers the Apps serveInProcess runs loops for.
+var servedApps atomic.Int64
+
 // serveInProcess serves app's API on a loopback port the way serve does:
 // group commit when d is durabilityFull, and the relay and worker loops when
 // workers is set, with a listener when target is a PostgreSQL database. Everything stops when tb ends, before app's database
@@ -254,8 +257,10 @@ func serveInProcess(tb testing.TB, app *App, target string, d durability, worker
 		logger: discardLogger()}
 	ts := httptest.NewServer(s.routes())
 	if workers {
-		startRelayLoop(ctx, &loops, app, "bench-serve", discardLogger())
-		startWorkerLoops(ctx, &loops, app, "bench-serve", discardLogger())
+		// A name per App, as each process has its own (workerName).
+		workerID := "serve-" + strconv.FormatInt(servedApps.Add(1), 10)
+		startRelayLoop(ctx, &loops, app, workerID, discardLogger())
+		startWorkerLoops(ctx, &loops, app, workerID, discardLogger())
 		startListener(ctx, &loops, app, target, discardLogger())
 	}
 	tb.Cleanup(func() {
@@ -478,40 +483,57 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 	return sorted[min(max(i, 0), len(sorted)-1)]
 }
 
-// BenchmarkEndToEnd is the whole way of an order through one serve: each
+// BenchmarkEndToEnd is the whole way of an order through serve: each
 // client POSTs an order and waits until it is paid, then sends the next.
 // It reports orders/s until every order is final, and the p50 and p99 of
 // POST -> paid. With RETRYSAFE_TEST_NATS set, the broker is NATS
-// JetStream.
+// JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
+// with pools, listeners and broker connections of their own, in this test
+// process) side by side, the clients spread over their APIs: scaling out.
 func BenchmarkEndToEnd(b *testing.B) {
+	type setup struct{ clients, processes int }
+	setups := []setup{{1, 1}, {8, 1}}
+	if onPostgres() {
+		setups = append(setups, setup{8, 2}, setup{8, 3})
+	}
 	body := orderBody(5000, "sku-1", 1, pmCardVisa)
-	for _, clients := range []int{1, 8} {
-		b.Run("clients-"+strconv.Itoa(clients), func(b *testing.B) {
+	for _, run := range setups {
+		name := "clients-" + strconv.Itoa(run.clients)
+		if run.processes > 1 {
+			name += "-processes-" + strconv.Itoa(run.processes)
+		}
+		b.Run(name, func(b *testing.B) {
 			ctx := context.Background()
 			target := testDatabase(b)
-			db, err := openDB(ctx, target)
-			if err != nil {
-				b.Fatal(err)
+			var apps []*App
+			for range run.processes {
+				db, err := openDB(ctx, target)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { db.Close() })
+				apps = append(apps, newApp(db, nil, nil, nil))
 			}
-			b.Cleanup(func() { db.Close() })
 			// One unit per order, and enough of them: an order cancelled
 			// for want of stock would not be paid.
-			if _, err := db.Exec(`UPDATE stock_items SET available = available + ?, stocked = stocked + ? WHERE sku = 'sku-1'`, b.N, b.N); err != nil {
+			if _, err := apps[0].db.Exec(`UPDATE stock_items SET available = available + ?, stocked = stocked + ? WHERE sku = 'sku-1'`, b.N, b.N); err != nil {
 				b.Fatal(err)
 			}
-			app := newApp(db, nil, nil, nil)
-			useBenchNATS(b, app)
-			if err := app.subscribeConsumers(ctx); err != nil {
-				b.Fatal(err)
+			useBenchNATS(b, apps...)
+			var servers []*httptest.Server
+			for _, app := range apps {
+				if err := app.subscribeConsumers(ctx); err != nil {
+					b.Fatal(err)
+				}
+				servers = append(servers, serveInProcess(b, app, target, durabilityNormal, true))
 			}
-			ts := serveInProcess(b, app, target, durabilityNormal, true)
 			watcher := watchFinal(b, target)
-			client := benchClient(clients)
+			client := benchClient(run.clients)
 			latencies := make([]time.Duration, b.N)
 			b.ResetTimer()
-			runClients(b, clients, func(i int) error {
+			runClients(b, run.clients, func(i int) error {
 				sent := time.Now()
-				status, answer, err := postOrder(client, ts.URL, "e2e-"+strconv.Itoa(i), body)
+				status, answer, err := postOrder(client, servers[i%len(servers)].URL, "e2e-"+strconv.Itoa(i), body)
 				if err != nil {
 					return err
 				}
@@ -530,7 +552,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.StopTimer()
 			reportOpsPerSecond(b, "orders/s")
 			var paid int
-			if err := db.QueryRow(`SELECT COUNT(*) FROM orders WHERE status = 'paid'`).Scan(&paid); err != nil {
+			if err := apps[0].db.QueryRow(`SELECT COUNT(*) FROM orders WHERE status = 'paid'`).Scan(&paid); err != nil {
 				b.Fatal(err)
 			}
 			if paid != b.N {
@@ -543,29 +565,34 @@ func BenchmarkEndToEnd(b *testing.B) {
 	}
 }
 
-// useBenchNATS switches app to a fresh JetStream stream when
-// RETRYSAFE_TEST_NATS is set, deleted when b ends.
-func useBenchNATS(b *testing.B, app *App) {
+// useBenchNATS switches apps to one fresh JetStream stream, each with a
+// connection of its own, when RETRYSAFE_TEST_NATS is set. The stream is
+// deleted when b ends.
+func useBenchNATS(b *testing.B, apps ...*App) {
 	b.Helper()
 	url := os.Getenv("RETRYSAFE_TEST_NATS")
 	if url == "" {
 		return
 	}
 	stream := fmt.Sprintf("RTBENCH%d_%d", os.Getpid(), natsStreamCounter.Add(1))
-	broker, err := openNATSBroker(context.Background(), url, stream, app.leases.ackWait)
-	if err != nil {
-		b.Fatalf("NATS at %s: %v", url, err)
-	}
-	b.Cleanup(func() {
-		if err := broker.deleteStream(context.Background()); err != nil {
-			b.Error(err)
+	for i, app := range apps {
+		broker, err := openNATSBroker(context.Background(), url, stream, app.leases.ackWait)
+		if err != nil {
+			b.Fatalf("NATS at %s: %v", url, err)
 		}
-		broker.close()
-	})
-	if err := broker.onAnnounce(app.wake.published); err != nil {
-		b.Fatal(err)
+		b.Cleanup(func() {
+			if i == 0 {
+				if err := broker.deleteStream(context.Background()); err != nil {
+					b.Error(err)
+				}
+			}
+			broker.close()
+		})
+		if err := broker.onAnnounce(app.wake.published); err != nil {
+			b.Fatal(err)
+		}
+		app.broker = broker
 	}
-	app.broker = broker
 }
 
 // grownApp is built once per process: an App over a database that already
