@@ -93,6 +93,18 @@ type App struct {
 	// group, if set, commits concurrent creates together (see
 	// groupcommit.go); on SQLite only.
 	group *groupCommitter
+	// wake wakes the loops when there is work for them (wakeup.go).
+	wake wakeups
+	// idle is how long the loops sleep when they find nothing and nobody
+	// wakes them: the safety net for a signal that never came.
+	idle idleTimes
+}
+
+// idleTimes are the loops' sleeps when idle. Production uses relayIdle and
+// workerIdle; a test sets them to an hour, to show that a wake-up, not a
+// poll, moved an order on.
+type idleTimes struct {
+	relay, worker time.Duration
 }
 
 // newApp returns an App over db. clock, ids and fault may be nil for the
@@ -109,7 +121,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	if dialectOf(db).name == "sqlite" {
 		group = newGroupCommitter(db)
 	}
-	return &App{
+	app := &App{
 		db:        db,
 		readDB:    readersOf(db),
 		broker:    &embeddedBroker{db: db, now: clock, fault: fault, ackWait: leases.ackWait},
@@ -119,7 +131,14 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		fault:     fault,
 		leases:    leases,
 		group:     group,
+		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
 	}
+	var consumerNames []string
+	for _, c := range app.consumers() {
+		consumerNames = append(consumerNames, c.name)
+	}
+	app.wake = newWakeups(consumerNames...)
+	return app
 }
 
 // setLeaseTimes changes every lease of the App, the embedded broker's

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -232,41 +234,358 @@ func BenchmarkConsume(b *testing.B) {
 	reportOpsPerSecond(b, "deliveries/s")
 }
 
-func BenchmarkHTTP(b *testing.B) {
-	app := benchApp(b, durabilityNormal)
+// servedApps numbers the Apps serveInProcess runs loops for.
+var servedApps atomic.Int64
+
+// serveInProcess serves app's API on a loopback port the way serve does
+// (on SQLite, app commits concurrent creates together whatever its
+// durability; see groupcommit.go), with the relay and worker loops when
+// workers is set, and a listener when target is a PostgreSQL database.
+// Everything stops when tb ends, before app's database closes.
+func serveInProcess(tb testing.TB, app *App, target string, workers bool) *httptest.Server {
+	tb.Helper()
+	ctx, stop := context.WithCancel(context.Background())
+	var loops sync.WaitGroup
 	s := &server{app: app, apiKeys: map[string]string{keyUser42: "user-42"}, webhookSecret: []byte(testWebhookSecret),
 		logger: discardLogger()}
 	ts := httptest.NewServer(s.routes())
-	defer ts.Close()
-	transport := &http.Transport{MaxIdleConnsPerHost: 64}
-	client := &http.Client{Transport: transport}
-	body := orderBody(5000, "sku-1", 2, pmCardVisa)
-	var next atomic.Int64
-	b.SetParallelism(4)
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			req, err := http.NewRequest("POST", ts.URL+"/api/orders", strings.NewReader(body))
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			req.Header.Set("Authorization", "Bearer "+keyUser42)
-			req.Header.Set("Content-Type", "application/json")
-			req.Header.Set("Idempotency-Key", "http-"+strconv.FormatInt(next.Add(1), 10))
-			resp, err := client.Do(req)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusCreated {
-				b.Errorf("got %d", resp.StatusCode)
-				return
-			}
-		}
+	if workers {
+		// A name per App, as each process has its own (workerName).
+		workerID := "serve-" + strconv.FormatInt(servedApps.Add(1), 10)
+		startRelayLoop(ctx, &loops, app, workerID, discardLogger())
+		startWorkerLoops(ctx, &loops, app, workerID, discardLogger())
+		startListener(ctx, &loops, app, target, discardLogger())
+	}
+	tb.Cleanup(func() {
+		ts.Close()
+		stop()
+		loops.Wait()
 	})
-	reportOpsPerSecond(b, "orders/s")
+	return ts
+}
+
+// benchClient is an HTTP client that keeps a connection per client open.
+func benchClient(clients int) *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients, MaxConnsPerHost: clients}}
+}
+
+// postOrder sends POST /api/orders with key and returns the response's
+// status and body.
+func postOrder(client *http.Client, baseURL, key, body string) (int, []byte, error) {
+	req, err := http.NewRequest("POST", baseURL+"/api/orders", strings.NewReader(body))
+	if err != nil {
+		return 0, nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+keyUser42)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, data, err
+}
+
+// runClients runs do b.N times in all, spread over exactly clients
+// goroutines (RunParallel would round to a multiple of GOMAXPROCS). i is
+// the call's number, from 1.
+func runClients(b *testing.B, clients int, do func(i int) error) {
+	b.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1))
+				if i > b.N {
+					return
+				}
+				if err := do(i); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// BenchmarkHTTP is fresh creates over loopback HTTP from 8 and 64 clients
+// at once, at each durability; full commits in groups, as serve does with
+// --durability=full.
+func BenchmarkHTTP(b *testing.B) {
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	for _, d := range []durability{durabilityNormal, durabilityFull} {
+		for _, clients := range []int{8, 64} {
+			b.Run(string(d)+"/clients-"+strconv.Itoa(clients), func(b *testing.B) {
+				app := benchApp(b, d)
+				ts := serveInProcess(b, app, "", false)
+				client := benchClient(clients)
+				prefix := "http-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+				b.ResetTimer()
+				runClients(b, clients, func(i int) error {
+					status, answer, err := postOrder(client, ts.URL, prefix+strconv.Itoa(i), body)
+					if err != nil {
+						return err
+					}
+					if status != http.StatusCreated {
+						return fmt.Errorf("got %d %s; want 201", status, answer)
+					}
+					return nil
+				})
+				reportOpsPerSecond(b, "orders/s")
+			})
+		}
+	}
+}
+
+// BenchmarkReplayHTTP is retries of one settled key over loopback HTTP:
+// every answer is the stored one.
+func BenchmarkReplayHTTP(b *testing.B) {
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	for _, clients := range []int{1, 8} {
+		b.Run("clients-"+strconv.Itoa(clients), func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			ts := serveInProcess(b, app, "", false)
+			client := benchClient(clients)
+			status, first, err := postOrder(client, ts.URL, "replay-1", body)
+			if err != nil || status != http.StatusCreated {
+				b.Fatalf("first request: got %d %s, %v; want 201", status, first, err)
+			}
+			b.ResetTimer()
+			runClients(b, clients, func(int) error {
+				status, answer, err := postOrder(client, ts.URL, "replay-1", body)
+				if err != nil {
+					return err
+				}
+				if status != http.StatusCreated || string(answer) != string(first) {
+					return fmt.Errorf("got %d %s; want the first answer again", status, answer)
+				}
+				return nil
+			})
+			reportOpsPerSecond(b, "replays/s")
+		})
+	}
+}
+
+// finalWatcher tells waiting clients when their order reached a final
+// state (paid or cancelled). One goroutine polls, on a connection of its
+// own, for every order waited on, so that the clients' waiting does not
+// take the API's connection.
+type finalWatcher struct {
+	db *sql.DB
+	mu sync.Mutex
+	// waiting maps an order id to where its final time goes.
+	waiting map[string]chan time.Time
+}
+
+// watchFinal starts a finalWatcher over a read-only connection to target.
+// It stops when tb ends.
+func watchFinal(tb testing.TB, target string) *finalWatcher {
+	tb.Helper()
+	db, err := openReadOnlyDB(context.Background(), target)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	w := &finalWatcher{db: db, waiting: map[string]chan time.Time{}}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		w.run(ctx, tb)
+	}()
+	tb.Cleanup(func() {
+		stop()
+		<-done
+		db.Close()
+	})
+	return w
+}
+
+// wait returns when orderID is final, with the time it became final (its
+// updated_at, on the wall clock the App writes with).
+func (w *finalWatcher) wait(orderID string) time.Time {
+	final := make(chan time.Time, 1)
+	w.mu.Lock()
+	w.waiting[orderID] = final
+	w.mu.Unlock()
+	return <-final
+}
+
+// run polls every millisecond until ctx is done.
+func (w *finalWatcher) run(ctx context.Context, tb testing.TB) {
+	ticker := time.NewTicker(time.Millisecond)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+		w.mu.Lock()
+		ids := make([]any, 0, len(w.waiting))
+		for id := range w.waiting {
+			ids = append(ids, id)
+		}
+		w.mu.Unlock()
+		if len(ids) == 0 {
+			continue
+		}
+		rows, err := w.db.QueryContext(ctx, `
+			SELECT order_id, updated_at FROM orders
+			WHERE status IN ('paid', 'cancelled') AND order_id IN (`+placeholders(len(ids))+`)`, ids...)
+		if err != nil {
+			if ctx.Err() == nil {
+				tb.Error(err)
+			}
+			return
+		}
+		for rows.Next() {
+			var id, updatedAt string
+			if err := rows.Scan(&id, &updatedAt); err != nil {
+				tb.Error(err)
+				break
+			}
+			at, err := time.Parse(timeFormat, updatedAt)
+			if err != nil {
+				tb.Error(err)
+				break
+			}
+			w.mu.Lock()
+			w.waiting[id] <- at
+			delete(w.waiting, id)
+			w.mu.Unlock()
+		}
+		if err := rows.Err(); err != nil && ctx.Err() == nil {
+			tb.Error(err)
+		}
+		rows.Close()
+	}
+}
+
+// percentile returns the p-th percentile (0 < p <= 100) of sorted.
+func percentile(sorted []time.Duration, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(float64(len(sorted))*p/100+0.5) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+// BenchmarkEndToEnd is the whole way of an order through serve: each
+// client POSTs an order and waits until it is paid, then sends the next.
+// It reports orders/s until every order is final, and the p50 and p99 of
+// POST -> paid. With RETRYSAFE_TEST_NATS set, the broker is NATS
+// JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
+// with pools, listeners and broker connections of their own, in this test
+// process) side by side, the clients spread over their APIs: scaling out.
+func BenchmarkEndToEnd(b *testing.B) {
+	type setup struct{ clients, processes int }
+	setups := []setup{{1, 1}, {8, 1}}
+	if onPostgres() {
+		setups = append(setups, setup{8, 2}, setup{8, 3})
+	}
+	body := orderBody(5000, "sku-1", 1, pmCardVisa)
+	for _, run := range setups {
+		name := "clients-" + strconv.Itoa(run.clients)
+		if run.processes > 1 {
+			name += "-processes-" + strconv.Itoa(run.processes)
+		}
+		b.Run(name, func(b *testing.B) {
+			ctx := context.Background()
+			target := testDatabase(b)
+			var apps []*App
+			for range run.processes {
+				db, err := openDB(ctx, target)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { db.Close() })
+				apps = append(apps, newApp(db, nil, nil, nil))
+			}
+			// One unit per order, and enough of them: an order cancelled
+			// for want of stock would not be paid.
+			if _, err := apps[0].db.Exec(`UPDATE stock_items SET available = available + ?, stocked = stocked + ? WHERE sku = 'sku-1'`, b.N, b.N); err != nil {
+				b.Fatal(err)
+			}
+			useBenchNATS(b, apps...)
+			var servers []*httptest.Server
+			for _, app := range apps {
+				if err := app.subscribeConsumers(ctx); err != nil {
+					b.Fatal(err)
+				}
+				servers = append(servers, serveInProcess(b, app, target, true))
+			}
+			watcher := watchFinal(b, target)
+			client := benchClient(run.clients)
+			latencies := make([]time.Duration, b.N)
+			b.ResetTimer()
+			runClients(b, run.clients, func(i int) error {
+				sent := time.Now()
+				status, answer, err := postOrder(client, servers[i%len(servers)].URL, "e2e-"+strconv.Itoa(i), body)
+				if err != nil {
+					return err
+				}
+				if status != http.StatusCreated {
+					return fmt.Errorf("got %d %s; want 201", status, answer)
+				}
+				var order struct {
+					OrderID string `json:"order_id"`
+				}
+				if err := json.Unmarshal(answer, &order); err != nil {
+					return fmt.Errorf("decode %s: %w", answer, err)
+				}
+				latencies[i-1] = watcher.wait(order.OrderID).Sub(sent)
+				return nil
+			})
+			b.StopTimer()
+			reportOpsPerSecond(b, "orders/s")
+			var paid int
+			if err := apps[0].db.QueryRow(`SELECT COUNT(*) FROM orders WHERE status = 'paid'`).Scan(&paid); err != nil {
+				b.Fatal(err)
+			}
+			if paid != b.N {
+				b.Fatalf("%d of %d orders paid", paid, b.N)
+			}
+			slices.Sort(latencies)
+			b.ReportMetric(float64(percentile(latencies, 50).Microseconds())/1000, "p50-ms")
+			b.ReportMetric(float64(percentile(latencies, 99).Microseconds())/1000, "p99-ms")
+		})
+	}
+}
+
+// useBenchNATS switches apps to one fresh JetStream stream, each with a
+// connection of its own, when RETRYSAFE_TEST_NATS is set. The stream is
+// deleted when b ends.
+func useBenchNATS(b *testing.B, apps ...*App) {
+	b.Helper()
+	url := os.Getenv("RETRYSAFE_TEST_NATS")
+	if url == "" {
+		return
+	}
+	stream := fmt.Sprintf("RTBENCH%d_%d", os.Getpid(), natsStreamCounter.Add(1))
+	for i, app := range apps {
+		broker, err := openNATSBroker(context.Background(), url, stream, app.leases.ackWait)
+		if err != nil {
+			b.Fatalf("NATS at %s: %v", url, err)
+		}
+		b.Cleanup(func() {
+			if i == 0 {
+				if err := broker.deleteStream(context.Background()); err != nil {
+					b.Error(err)
+				}
+			}
+			broker.close()
+		})
+		if err := broker.onAnnounce(app.wake.published); err != nil {
+			b.Fatal(err)
+		}
+		app.broker = broker
+	}
 }
 
 // grownApp is built once per process: an App over a database that already

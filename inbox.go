@@ -342,6 +342,14 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 		return nil, errors.Join(err, a.nakFailedBatch(ctx, deliveries))
 	}
+	for _, result := range results {
+		if result.Outcome == inboxApplied {
+			// What was applied may have started a saga (startFulfilment);
+			// now that it is committed, the saga loop can run it.
+			a.wake.saga.signal()
+			break
+		}
+	}
 	var handled []delivery
 	var errs []error
 	for i, d := range deliveries {

@@ -203,6 +203,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if workers {
 		startRelayLoop(loopCtx, &loops, app, workerName("serve"), logger)
 		startWorkerLoops(loopCtx, &loops, app, workerName("serve"), logger)
+		startListener(loopCtx, &loops, app, dbPath, logger)
 	}
 
 	served := make(chan error, 1)
@@ -279,6 +280,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	defer closeBroker()
 	var loops sync.WaitGroup
 	start(ctx, &loops, app, workerName(role), logger)
+	startListener(ctx, &loops, app, dbPath, logger)
 	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))
 	loops.Wait()
 	logger.Info("stopped", "role", role)
@@ -351,6 +353,10 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	if err != nil {
 		return nil, err
 	}
+	if err := broker.onAnnounce(app.wake.published); err != nil {
+		broker.close()
+		return nil, err
+	}
 	app.broker = broker
 	return broker.close, nil
 }
@@ -399,7 +405,10 @@ func workerName(role string) string {
 	return role + "@" + host + ":" + strconv.Itoa(os.Getpid())
 }
 
-// Idle waits of the loops: how long a loop sleeps when a pass found nothing.
+// Idle waits of the loops: how long a loop sleeps when a pass found nothing
+// and nobody woke it (see wakeup.go). Short enough that work no signal
+// announced (written by a process on the same SQLite file, or while a
+// listener reconnected) still moves on soon.
 const (
 	relayIdle   = 200 * time.Millisecond
 	workerIdle  = 200 * time.Millisecond
@@ -408,7 +417,7 @@ const (
 
 // startRelayLoop starts the relay loop. It exits when ctx is done.
 func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
-	startLoop(ctx, wg, logger, "relay", relayIdle, func(ctx context.Context) (int, error) {
+	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, func(ctx context.Context) (int, error) {
 		return app.relayOnce(ctx, workerID, relayBatchSize)
 	})
 }
@@ -418,7 +427,7 @@ func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID 
 // done.
 func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	for _, c := range app.consumers() {
-		startLoop(ctx, wg, logger, "consume "+c.name, workerIdle, func(ctx context.Context) (int, error) {
+		startLoop(ctx, wg, logger, "consume "+c.name, app.idle.worker, app.wake.consumers[c.name], func(ctx context.Context) (int, error) {
 			results, err := app.consumeOnce(ctx, c, consumeBatchSize)
 			for _, result := range results {
 				if result.Outcome == inboxPoison {
@@ -428,13 +437,15 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 			return len(results), err
 		})
 	}
-	startLoop(ctx, wg, logger, "saga", workerIdle, func(ctx context.Context) (int, error) {
+	startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, func(ctx context.Context) (int, error) {
 		return app.sagaOnce(ctx, workerID, sagaBatchSize)
 	})
-	startLoop(ctx, wg, logger, "refund completer", time.Second, func(ctx context.Context) (int, error) {
+	// The completer and cleanup look for what is left over (a refund whose
+	// request died, keys past their TTL): nothing to wake them for.
+	startLoop(ctx, wg, logger, "refund completer", time.Second, nil, func(ctx context.Context) (int, error) {
 		return app.completeRefundsOnce(ctx, refundBatchSize)
 	})
-	startLoop(ctx, wg, logger, "cleanup", cleanupIdle, func(ctx context.Context) (int, error) {
+	startLoop(ctx, wg, logger, "cleanup", cleanupIdle, nil, func(ctx context.Context) (int, error) {
 		result, err := app.cleanupOnce(ctx)
 		if err == nil && result != (cleanupResult{}) {
 			logger.Info("cleanup", "keys", result.Keys, "outbox_events", result.OutboxEvents,
@@ -445,9 +456,11 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 }
 
 // startLoop runs once in a goroutine until ctx is done: again at once while
-// it finds work, after idle when it finds none, and after a growing pause
-// when it fails. The goroutine exits when ctx is done.
-func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, name string, idle time.Duration, once func(ctx context.Context) (int, error)) {
+// it finds work; when it finds none, after idle or as soon as wake is
+// signalled (wake may be nil); after a growing pause when it fails (a
+// signal does not cut that short: a failing database is not hammered). The
+// goroutine exits when ctx is done.
+func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, name string, idle time.Duration, wake *wakeup, once func(ctx context.Context) (int, error)) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -455,12 +468,14 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 		for ctx.Err() == nil {
 			n, err := once(ctx)
 			wait := time.Duration(0)
+			woken := wake.signaled()
 			switch {
 			case err != nil && ctx.Err() != nil:
 				return
 			case err != nil:
 				failures++
 				wait = min(idle<<min(failures, 6), 30*time.Second)
+				woken = nil
 				logger.Error("loop failed", "loop", name, "error", err, "retry_in", wait)
 			case n == 0:
 				failures = 0
@@ -476,6 +491,8 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 			case <-ctx.Done():
 				timer.Stop()
 				return
+			case <-woken:
+				timer.Stop()
 			case <-timer.C:
 			}
 		}

@@ -22,6 +22,10 @@
 //     nats-seq-<stream>-<sequence>, recorded as poison and terminated; the
 //     rest of its batch is handled as usual.
 //   - The stream and the consumers are created if missing.
+//   - A fetch takes what is there and does not wait: the consumer loops
+//     sleep between polls, and are woken by an announcement that the relay
+//     publishes, on a plain subject outside the stream, once JetStream has
+//     stored a batch (see wakeup.go).
 
 package main
 
@@ -41,10 +45,6 @@ import (
 // exceed the time a relay may take to republish after a crash (its lease,
 // 30s, plus a restart); two minutes is JetStream's default.
 const natsDuplicateWindow = 2 * time.Minute
-
-// natsFetchWait bounds how long a fetch waits for messages when none are
-// due, so the consume loop stays responsive to shutdown.
-const natsFetchWait = 100 * time.Millisecond
 
 // natsBroker is a messageBroker on NATS JetStream.
 type natsBroker struct {
@@ -166,11 +166,36 @@ func (b *natsBroker) publishBatch(ctx context.Context, msgs []message) error {
 			return ctx.Err()
 		}
 	}
+	// Only now: a consumer woken before JetStream stored the batch would
+	// find nothing and sleep through it.
+	if err := b.conn.Publish(b.announceSubject(), nil); err != nil {
+		return fmt.Errorf("announce %d published messages: %w", len(msgs), err)
+	}
 	return nil
 }
 
-// fetch pulls up to max messages for subscriber from its consumers,
-// waiting at most natsFetchWait on each when none is there.
+// announceSubject is where publishBatch announces a stored batch: a plain
+// NATS subject, outside the stream's.
+func (b *natsBroker) announceSubject() string {
+	return b.prefix + "-published"
+}
+
+// onAnnounce calls published, on a NATS goroutine, whenever a relay of
+// any process announces a stored batch on this stream. published must not
+// block. It lasts until the broker closes.
+func (b *natsBroker) onAnnounce(published func()) error {
+	_, err := b.conn.Subscribe(b.announceSubject(), func(*nats.Msg) { published() })
+	if err != nil {
+		return fmt.Errorf("subscribe to %s: %w", b.announceSubject(), err)
+	}
+	return nil
+}
+
+// fetch pulls up to max messages for subscriber from its consumers: those
+// that are there now. It does not wait for more (a JetStream fetch that
+// waits returns only once its batch is full or its wait is over, however
+// soon the first message came); the consume loop is woken when there are
+// (see onAnnounce).
 func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
 	b.mu.Lock()
 	durables := b.durables[subscriber]
@@ -187,7 +212,7 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 		if err != nil {
 			return nil, fmt.Errorf("consumer %s: %w", durable, err)
 		}
-		batch, err := consumer.Fetch(max-len(deliveries), jetstream.FetchMaxWait(natsFetchWait))
+		batch, err := consumer.FetchNoWait(max - len(deliveries))
 		if err != nil {
 			return nil, fmt.Errorf("fetch from %s: %w", durable, err)
 		}

@@ -216,6 +216,9 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 		}
 		return 0, nil
 	}
+	// The broker has the batch: its consumers, in this process, need not
+	// wait for their next poll.
+	a.wake.published()
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
 		return 0, err
 	}

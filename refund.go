@@ -478,6 +478,8 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, l
 	if err != nil {
 		return apiResponse{}, err
 	}
+	// OrderRefunded is committed: wake the relay.
+	a.wake.relay.signal()
 	return succeeded, nil
 }
 

@@ -453,7 +453,7 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 		if !ok || !charge.Result.Valid {
 			return fmt.Errorf("bug: saga %s confirms without a charge", saga.SagaID)
 		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -479,6 +479,12 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 			}
 			return a.markStepDone(ctx, tx, lease, step, "", now)
 		})
+		if err == nil {
+			// PaymentCaptured is committed: the relay need not wait for
+			// its next poll to tell the order service.
+			a.wake.relay.signal()
+		}
+		return err
 	default:
 		return fmt.Errorf("bug: unhandled saga step %q", step.Name)
 	}
@@ -677,7 +683,7 @@ func (a *App) failStep(ctx context.Context, lease sagaClaim, saga sagaRow, step 
 // the order service through the outbox that the order is cancelled. Fenced:
 // OrderCancelled is written only by the worker that holds the saga.
 func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga sagaRow) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 		now := a.now()
 		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 			return err
@@ -701,6 +707,11 @@ func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga saga
 		}
 		return insertOutboxEvent(ctx, tx, orderCancelled, now)
 	})
+	if err == nil {
+		// OrderCancelled is committed: wake the relay.
+		a.wake.relay.signal()
+	}
+	return err
 }
 
 // scheduleRetry records a transient failure and releases the saga until its

@@ -299,3 +299,10 @@ CREATE TABLE inbox_failures (
     last_failed_at TEXT NOT NULL,
     PRIMARY KEY (consumer, message_id)
 ) WITHOUT ROWID; -- rows are found by their key only
+
+-- version 3
+
+-- Nothing: version 3 of schema_postgres.sql adds the triggers that wake
+-- other processes' relays and consumers (see wakeup.go). SQLite has no way
+-- to tell another process; processes on one file find each other's work by
+-- polling. The section keeps the two files' versions in step.

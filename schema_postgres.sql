@@ -294,3 +294,21 @@ CREATE TABLE inbox_failures (
     last_failed_at utc_time NOT NULL,
     PRIMARY KEY (consumer, message_id)
 );
+
+-- version 3
+
+-- Wake-ups across processes (see wakeup.go): a new outbox event wakes the
+-- relays, a new delivery the consumers, of every process that LISTENs.
+-- pg_notify in the writing transaction is delivered only if, and when, it
+-- commits, so a woken relay always finds what it was woken for. One
+-- notification per statement: a batch insert wakes once.
+CREATE FUNCTION notify_work() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_ARGV[0], '');
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION notify_work('retrysafe_outbox');
+CREATE TRIGGER broker_deliveries_notify AFTER INSERT ON broker_deliveries
+    FOR EACH STATEMENT EXECUTE FUNCTION notify_work('retrysafe_deliveries');

@@ -321,6 +321,11 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 		s.writeError(w, r, err)
 		return
 	}
+	if !response.Replayed {
+		// A new order's OrderCreated is committed: the relay need not
+		// wait for its next poll. (A replay wrote nothing.)
+		s.app.wake.relay.signal()
+	}
 	writeAPIResponse(w, response)
 }
 

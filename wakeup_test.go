@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// wakeDeadline is how long a test waits for an order to be paid. Far
+// longer than a wake-up takes, far shorter than the idle hour the loops
+// sleep in these tests: an order paid within it was moved on by wake-ups.
+const wakeDeadline = 60 * time.Second
+
+// openIdleApp opens an App on the wall clock over target whose loops,
+// once started, sleep for an hour whenever a pass finds nothing: only a
+// wake-up can move an order on.
+func openIdleApp(tb testing.TB, target string) *App {
+	tb.Helper()
+	app, err := openApp(context.Background(), target, nil, nil, nil)
+	if err != nil {
+		tb.Fatalf("open app: %v", err)
+	}
+	tb.Cleanup(func() { app.db.Close() })
+	app.idle = idleTimes{relay: time.Hour, worker: time.Hour}
+	return app
+}
+
+// createPaidOrder POSTs a new order with key to ts and waits until watcher
+// sees it final; it fails the test unless the order is paid within
+// wakeDeadline.
+func createPaidOrder(tb testing.TB, client *http.Client, ts string, watcher *finalWatcher, key string) {
+	tb.Helper()
+	status, answer, err := postOrder(client, ts, key, orderBody(5000, "sku-1", 1, pmCardVisa))
+	if err != nil || status != http.StatusCreated {
+		tb.Fatalf("POST %s: got %d %s, %v; want 201", key, status, answer, err)
+	}
+	var order struct {
+		OrderID string `json:"order_id"`
+	}
+	if err := json.Unmarshal(answer, &order); err != nil {
+		tb.Fatalf("decode %s: %v", answer, err)
+	}
+	final := make(chan struct{})
+	go func() {
+		watcher.wait(order.OrderID)
+		close(final)
+	}()
+	select {
+	case <-final:
+	case <-time.After(wakeDeadline):
+		tb.Fatalf("order %s (key %s) not final after %s, with every loop idle for an hour: no wake-up moved it on", order.OrderID, key, wakeDeadline)
+	}
+	orderStatus, httpStatus, err := getOrderStatus(client, ts, order.OrderID)
+	if err != nil || orderStatus != string(orderPaid) {
+		tb.Fatalf("order %s: got %q (%s), %v; want paid", order.OrderID, orderStatus, httpStatus, err)
+	}
+}
+
+// getOrderStatus returns an order's status through the API.
+func getOrderStatus(client *http.Client, ts, orderID string) (string, string, error) {
+	req, err := http.NewRequest("GET", ts+"/api/orders/"+orderID, nil)
+	if err != nil {
+		return "", "", err
+	}
+	req.Header.Set("Authorization", "Bearer "+keyUser42)
+	resp, err := client.Do(req)
+	if err != nil {
+		return "", "", err
+	}
+	defer resp.Body.Close()
+	var view struct {
+		Status string `json:"status"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&view); err != nil {
+		return "", "", fmt.Errorf("decode order: %w", err)
+	}
+	return view.Status, resp.Status, nil
+}
+
+func TestWakeup(t *testing.T) {
+	// Ensure a signal sent while nobody waits is kept, once, and never
+	// blocks the committing caller.
+	t.Run("SignalsCollapseAndNeverBlock", func(t *testing.T) {
+		w := newWakeup()
+		for range 3 {
+			w.signal()
+		}
+		select {
+		case <-w.signaled():
+		default:
+			t.Fatal("got no pending signal; want one")
+		}
+		select {
+		case <-w.signaled():
+			t.Fatal("got a second pending signal; want the three to collapse into one")
+		default:
+		}
+		var none *wakeup
+		if none.signaled() != nil {
+			t.Fatal("a loop without a wakeup got a channel; want nil, never ready")
+		}
+	})
+
+	// Ensure an order created through the API is paid while every loop of
+	// its serve sleeps an hour when idle: each commit wakes the next loop.
+	t.Run("OrderIsPaidWithoutPolling", func(t *testing.T) {
+		target := testDatabase(t)
+		app := openIdleApp(t, target)
+		ts := serveInProcess(t, app, target, true)
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		for i := range 3 {
+			createPaidOrder(t, client, ts.URL, watcher, "wake-"+strconv.Itoa(i))
+		}
+	})
+
+	// Ensure a burst of concurrent orders, whose signals collapse while the
+	// loops are busy, is paid in full: a loop woken once runs until a pass
+	// finds nothing, so no order waits for the idle hour.
+	t.Run("BurstIsPaidInFull", func(t *testing.T) {
+		target := testDatabase(t)
+		app := openIdleApp(t, target)
+		ts := serveInProcess(t, app, target, true)
+		watcher := watchFinal(t, target)
+		const clients, perClient = 8, 5
+		client := benchClient(clients)
+		var wg sync.WaitGroup
+		for c := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range perClient {
+					createPaidOrder(t, client, ts.URL, watcher, fmt.Sprintf("burst-%d-%d", c, i))
+				}
+			}()
+		}
+		wg.Wait()
+	})
+
+	// Ensure on PostgreSQL that an order created by one process is paid by
+	// another process's loops, idle for an hour: the create's commit
+	// notifies (schema_postgres.sql, version 3) and the other process's
+	// listener wakes its relay.
+	t.Run("PostgresNotifyWakesAnotherProcess", func(t *testing.T) {
+		if !onPostgres() {
+			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+		}
+		target := testDatabase(t)
+		api := openIdleApp(t, target)
+		workers := openIdleApp(t, target)
+		apiServer := serveInProcess(t, api, target, false)
+		serveInProcess(t, workers, target, true)
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		// The first order may be found by the worker process's first passes;
+		// the second can only be found through a notification.
+		createPaidOrder(t, client, apiServer.URL, watcher, "notify-1")
+		createPaidOrder(t, client, apiServer.URL, watcher, "notify-2")
+	})
+
+	// Ensure on PostgreSQL that a listener whose connection was cut
+	// connects again: the next order is still paid by the other process,
+	// idle for an hour.
+	t.Run("PostgresListenerReconnects", func(t *testing.T) {
+		if !onPostgres() {
+			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+		}
+		target := testDatabase(t)
+		api := openIdleApp(t, target)
+		workers := openIdleApp(t, target)
+		apiServer := serveInProcess(t, api, target, false)
+		serveInProcess(t, workers, target, true)
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		createPaidOrder(t, client, apiServer.URL, watcher, "reconnect-1")
+		// (Every listener of this database: only these tests run one.)
+		var cut int
+		err := api.db.QueryRow(`
+			SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name = ? AND datname = current_database()`, listenerName).Scan(&cut)
+		if err != nil || cut == 0 {
+			t.Fatalf("cut the listener: got %d connections, %v; want at least 1", cut, err)
+		}
+		createPaidOrder(t, client, apiServer.URL, watcher, "reconnect-2")
+	})
+
+	// Ensure with NATS JetStream (and PostgreSQL, so that the relay is woken
+	// across processes too) that an order is paid when the relay runs in one
+	// process and the consumers in another, all loops idle for an hour: the
+	// relay announces each stored batch, and the other process's consumers
+	// wake.
+	t.Run("NATSAnnouncementWakesAnotherProcess", func(t *testing.T) {
+		natsURL := os.Getenv("RETRYSAFE_TEST_NATS")
+		if !onPostgres() || natsURL == "" {
+			t.Skip("set " + testPostgresEnv + " and RETRYSAFE_TEST_NATS to run this test")
+		}
+		target := testDatabase(t)
+		stream := fmt.Sprintf("RTTEST%d_%d", os.Getpid(), natsStreamCounter.Add(1))
+		relayProcess := openIdleApp(t, target)
+		workerProcess := openIdleApp(t, target)
+		for _, app := range []*App{relayProcess, workerProcess} {
+			broker, err := openNATSBroker(context.Background(), natsURL, stream, app.leases.ackWait)
+			if err != nil {
+				t.Fatalf("NATS at %s: %v", natsURL, err)
+			}
+			t.Cleanup(broker.close)
+			if err := broker.onAnnounce(app.wake.published); err != nil {
+				t.Fatal(err)
+			}
+			app.broker = broker
+			if err := app.subscribeConsumers(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Cleanup(func() {
+			if err := relayProcess.broker.(*natsBroker).deleteStream(context.Background()); err != nil {
+				t.Error(err)
+			}
+		})
+		apiServer := serveInProcess(t, relayProcess, target, false)
+		ctx, stop := context.WithCancel(context.Background())
+		var loops sync.WaitGroup
+		startRelayLoop(ctx, &loops, relayProcess, "relay", discardLogger())
+		startListener(ctx, &loops, relayProcess, target, discardLogger())
+		startWorkerLoops(ctx, &loops, workerProcess, "worker", discardLogger())
+		startListener(ctx, &loops, workerProcess, target, discardLogger())
+		t.Cleanup(func() {
+			stop()
+			loops.Wait()
+		})
+		watcher := watchFinal(t, target)
+		client := benchClient(1)
+		createPaidOrder(t, client, apiServer.URL, watcher, "nats-1")
+		createPaidOrder(t, client, apiServer.URL, watcher, "nats-2")
+	})
+}
