@@ -3,11 +3,16 @@ package main
 import (
 	"context"
 	"database/sql"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
@@ -127,5 +132,51 @@ func TestSimulatedOutage(t *testing.T) {
 	network.down = false
 	if n := count(); n != 1 {
 		t.Fatalf("the commit whose answer was lost left %d rows, want 1: it landed", n)
+	}
+}
+
+// Ensure a create whose commit landed while its answer was lost is answered
+// 503 without claiming that nothing was stored, and that the retry the 503
+// asks for, under the same key, answers with the order that was made.
+func TestLostCommitAnswerIsLearnedByRetry(t *testing.T) {
+	ctx := context.Background()
+	network := &simDatabase{}
+	db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	defer readers.Close()
+	app := newApp(db, newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)).now, nil, nil)
+	app.readDB = readers
+	handler := (&server{app: app, apiKeys: map[string]string{keyUser42: "user-42"},
+		logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).routes()
+	post := func() *httptest.ResponseRecorder {
+		req := httptest.NewRequest("POST", "/api/orders", strings.NewReader(orderBody(5000, "sku-1", 1, pmCardVisa)))
+		req.Header.Set("Authorization", "Bearer "+keyUser42)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", "lost-answer")
+		recorder := httptest.NewRecorder()
+		handler.ServeHTTP(recorder, req)
+		return recorder
+	}
+
+	network.loseCommit = true
+	lost := post()
+	if lost.Code != http.StatusServiceUnavailable {
+		t.Fatalf("a create whose commit's answer was lost got %d %s, want 503", lost.Code, lost.Body)
+	}
+	if strings.Contains(lost.Body.String(), "no outcome was stored") || !strings.Contains(lost.Body.String(), "may") {
+		t.Fatalf("the 503 says %s; after a lost commit answer the request may have taken effect, and it must say so", lost.Body)
+	}
+	network.down = false
+	retry := post()
+	var orders int
+	if err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM orders`).Scan(&orders); err != nil {
+		t.Fatal(err)
+	}
+	if retry.Code != http.StatusCreated || retry.Header().Get("Idempotent-Replayed") != "true" || orders != 1 {
+		t.Fatalf("the retry got %d %s (replayed %q) with %d orders; want the replayed 201 of the one order the lost commit made",
+			retry.Code, retry.Body, retry.Header().Get("Idempotent-Replayed"), orders)
 	}
 }
