@@ -11,6 +11,7 @@
 //	retrysafe relay     run only the outbox relay
 //	retrysafe worker    run only the consumers, sagas and completers
 //	retrysafe inspect   print the tables
+//	retrysafe trace ORDER_ID   one order's journey through every table
 //	retrysafe cleanup   delete expired keys and old delivered messages
 //	retrysafe check     audit a database: nothing twice, nothing lost
 //	retrysafe chaos     kill processes at random under load, then audit
@@ -69,6 +70,7 @@ func newRootCommand() *cobra.Command {
 		newRelayCommand(),
 		newWorkerCommand(),
 		newInspectCommand(),
+		newTraceCommand(),
 		newCleanupCommand(),
 		newSignWebhookCommand(),
 		newCheckCommand(),
@@ -518,6 +520,48 @@ func newInspectCommand() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON instead of aligned text")
+	return cmd
+}
+
+// newTraceCommand builds "retrysafe trace".
+func newTraceCommand() *cobra.Command {
+	var dbPath string
+	var mermaid bool
+	cmd := &cobra.Command{
+		Use:   "trace ORDER_ID",
+		Short: "Print one order's journey through every table, in time order (or --mermaid)",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) != 1 {
+				return fmt.Errorf("%s takes one ORDER_ID (got %d arguments); 'retrysafe inspect --db FILE' lists the orders", cmd.CommandPath(), len(args))
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if !isPostgresURL(dbPath) {
+				if err := requireSQLiteFile(dbPath); err != nil {
+					return err
+				}
+			}
+			db, err := openReadOnlyDB(cmd.Context(), dbPath)
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+			t, err := traceOrder(cmd.Context(), db, args[0])
+			if errors.Is(err, errNoSuchOrder) {
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", args[0], redactURL(dbPath), redactURL(dbPath))
+			}
+			if err != nil {
+				return err
+			}
+			if mermaid {
+				return printMermaid(cmd.OutOrStdout(), t)
+			}
+			return printTrace(cmd.OutOrStdout(), t)
+		},
+	}
+	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
+	cmd.Flags().BoolVar(&mermaid, "mermaid", false, "print a Mermaid sequenceDiagram instead of text")
 	return cmd
 }
 
