@@ -538,7 +538,7 @@ func newTraceCommand() *cobra.Command {
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !isPostgresURL(dbPath) {
-				if err := requireSQLiteFile(dbPath); err != nil {
+				if err := requireRetrysafeFile(cmd.Context(), dbPath); err != nil {
 					return err
 				}
 			}

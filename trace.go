@@ -655,10 +655,11 @@ func printMermaid(w io.Writer, t *orderTrace) error {
 // sqliteHeader starts every SQLite database file.
 const sqliteHeader = "SQLite format 3\x00"
 
-// requireSQLiteFile returns an error unless path starts like an SQLite
-// database: openReadOnlyDB on a text file or an empty one would otherwise
-// report a schema version, as if the file only needed migrating.
-func requireSQLiteFile(path string) error {
+// requireRetrysafeFile returns an error unless path is an SQLite file with
+// retrysafe's tables. openReadOnlyDB alone would report a text file, an
+// empty file or another program's database as being at schema version 0,
+// as if it only needed migrating.
+func requireRetrysafeFile(ctx context.Context, path string) error {
 	f, err := os.Open(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return noDatabaseError(path)
@@ -666,10 +667,24 @@ func requireSQLiteFile(path string) error {
 	if err != nil {
 		return err
 	}
-	defer f.Close()
 	header := make([]byte, len(sqliteHeader))
-	if _, err := io.ReadFull(f, header); err != nil || string(header) != sqliteHeader {
-		return fmt.Errorf("%s is not a retrysafe database (not an SQLite file); name the file 'retrysafe serve' or 'retrysafe demo --db' created", path)
+	_, err = io.ReadFull(f, header)
+	f.Close()
+	if err != nil || string(header) != sqliteHeader {
+		return fmt.Errorf("%s is not a retrysafe database: not an SQLite file", path)
+	}
+	db, err := sql.Open("sqlite", "file:"+path+"?mode=ro")
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	defer db.Close()
+	var tables int
+	err = db.QueryRowContext(ctx, `SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'orders'`).Scan(&tables)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", path, err)
+	}
+	if tables == 0 {
+		return fmt.Errorf("%s is not a retrysafe database: it has no orders table", path)
 	}
 	return nil
 }
