@@ -510,21 +510,11 @@ func shortIDs(s string) string {
 	return uuidPattern.ReplaceAllString(s, "$1$2")
 }
 
-// idRoles names ids in a diagram by what they are, so that the diagram of a
-// run stays the same when its ids change.
-var idRoles = map[string]string{
-	"ord_": "order", "evt_": "event", "saga_": "saga", "ch_": "charge", "rf_": "refund", "re_": "processor refund",
-}
-
-// idsByRole replaces every id in s by its role.
+// idsByRole replaces every id in s by its prefix and an ellipsis ("evt_…"):
+// the prefix says what the id is, and a diagram of a run stays the same
+// when the run's ids change.
 func idsByRole(s string) string {
-	return uuidPattern.ReplaceAllStringFunc(s, func(id string) string {
-		prefix := uuidPattern.FindStringSubmatch(id)[1]
-		if role, ok := idRoles[prefix]; ok {
-			return role
-		}
-		return "id"
-	})
+	return uuidPattern.ReplaceAllString(s, "${1}…")
 }
 
 // day returns the date every row of the timeline is on, or "" if they are
@@ -619,8 +609,8 @@ func mermaidLabel(s string) string {
 }
 
 // printMermaid writes the timeline as a Mermaid sequenceDiagram: one arrow a
-// row, then the final state as a note. Ids are named by role, so the diagram
-// of a run with fixed steps stays the same.
+// row, then the final state as a note. Ids are shown by their prefix only,
+// so the diagram of a run with fixed steps stays the same.
 func printMermaid(w io.Writer, t *orderTrace) error {
 	present := map[string]bool{}
 	var inboxes []string
