@@ -102,7 +102,11 @@ func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, e
 	if err := t.addKeys(ctx, db, userID, key); err != nil {
 		return nil, err
 	}
-	t.add(createdAt, phaseCreate, traceAPI, traceAPI, "order written (status created), in the key's transaction")
+	if key.Valid {
+		t.add(createdAt, phaseCreate, traceAPI, traceAPI, "order written (status created), in the key's transaction")
+	} else {
+		t.add(createdAt, phaseCreate, traceAPI, traceAPI, "order written (status created)")
+	}
 	// Refunds before events: within one instant, a refund is written and
 	// the processor called before its OrderRefunded event.
 	if err := t.addRefunds(ctx, db); err != nil {
@@ -392,7 +396,7 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 		// retried step finds its first charge instead of charging again.
 		if err := t.addProcessorCalls(ctx, db, `
 			SELECT charge_id, idempotency_key, amount_cents, currency, status, key_hits, created_at
-			FROM processor_charges WHERE idempotency_key = ?`, sagaID+":"+s.name, phaseSaga, traceSaga, "charge"); err != nil {
+			FROM processor_charges WHERE idempotency_key = ?`, phaseSaga, traceSaga, "charge", sagaID+":"+s.name); err != nil {
 			return "", err
 		}
 		switch s.status {
@@ -436,11 +440,12 @@ func (t *orderTrace) addSagaStart(createdAt, sagaID string) {
 	t.add(createdAt, phaseSaga, inboxName("payment-svc"), traceSaga, "started %s, in the inbox's transaction", sagaID)
 }
 
-// addProcessorCalls adds the processor calls recorded by query (charges or
-// refunds, found by key). Each row is the first call; key_hits counts the
-// calls the processor answered from the key, whose times it does not keep.
-func (t *orderTrace) addProcessorCalls(ctx context.Context, db *sql.DB, query, key string, phase int, caller, what string) error {
-	rows, err := db.QueryContext(ctx, query, key)
+// addProcessorCalls adds the processor calls that query finds in the
+// processor's ledger (charges or refunds). Each row is the first call;
+// key_hits counts the calls the processor answered from the key, whose
+// times it does not keep.
+func (t *orderTrace) addProcessorCalls(ctx context.Context, db *sql.DB, query string, phase int, caller, what string, args ...any) error {
+	rows, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return fmt.Errorf("read processor %ss: %w", what, err)
 	}
@@ -466,9 +471,10 @@ func (t *orderTrace) addRefunds(ctx context.Context, db *sql.DB) error {
 	type refund struct {
 		id, status, source, createdAt string
 		amount                        int64
+		processorRefundID             sql.NullString
 	}
 	rows, err := db.QueryContext(ctx, `
-		SELECT refund_id, amount_cents, status, source, created_at
+		SELECT refund_id, amount_cents, status, source, created_at, processor_refund_id
 		FROM refunds WHERE order_id = ? ORDER BY created_at, refund_id`, t.orderID)
 	if err != nil {
 		return fmt.Errorf("read refunds: %w", err)
@@ -476,7 +482,7 @@ func (t *orderTrace) addRefunds(ctx context.Context, db *sql.DB) error {
 	var refunds []refund
 	for rows.Next() {
 		var r refund
-		if err := rows.Scan(&r.id, &r.amount, &r.status, &r.source, &r.createdAt); err != nil {
+		if err := rows.Scan(&r.id, &r.amount, &r.status, &r.source, &r.createdAt, &r.processorRefundID); err != nil {
 			rows.Close()
 			return fmt.Errorf("read refunds: %w", err)
 		}
@@ -488,11 +494,14 @@ func (t *orderTrace) addRefunds(ctx context.Context, db *sql.DB) error {
 	}
 	for _, r := range refunds {
 		t.add(r.createdAt, phaseRefund, traceAPI, traceAPI, "refund %s of %d written before the call (%s, now %s)", r.id, r.amount, r.source, r.status)
-		// processor_refunds has no currency; the order's is the same.
+		// processor_refunds has no currency; the charge's is the same. An
+		// API refund calls with key refund:<refund_id>; a refund made at
+		// the processor's dashboard is found by the id its webhook gave.
 		if err := t.addProcessorCalls(ctx, db, `
 			SELECT p.refund_id, p.idempotency_key, p.amount_cents, c.currency, 'refunded', p.key_hits, p.created_at
 			FROM processor_refunds p JOIN processor_charges c ON c.charge_id = p.charge_id
-			WHERE p.idempotency_key = ?`, "refund:"+r.id, phaseRefund, traceAPI, "refund"); err != nil {
+			WHERE p.idempotency_key = ? OR p.refund_id = ?`, phaseRefund, traceAPI, "refund",
+			"refund:"+r.id, r.processorRefundID.String); err != nil {
 			return err
 		}
 	}
