@@ -39,7 +39,7 @@ func mutations() []mutation {
 			edits: []mutationEdit{
 				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// renewSagaLease", "\t_ = updated\n\treturn nil\n}\n\n// renewSagaLease"},
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
-				{"saga.go", "\treturn oneRowOr(advanced, errSagaLeaseLost)", "\t_ = advanced\n\treturn nil"},
+				{"saga.go", "\tif err := oneRowOr(advanced, errSagaLeaseLost); err != nil {\n\t\treturn \"\", err\n\t}", "\t_ = advanced"},
 				{"saga.go", "\t\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\t\treturn err\n\t\t}", "\t\t_ = failed"},
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\t\tsagaCompensating,", "WHERE saga_id = ? AND status = ? AND ? >= 0`,\n\t\t\tsagaCompensating,"},
 				{"saga.go", "\t\treturn oneRowOr(turned, errSagaLeaseLost)", "\t\t_ = turned\n\t\treturn nil"},

@@ -288,18 +288,22 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 // over another worker's nor pull the saga back.
 func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
 	// A saga at the tail of a batch may have waited past the lease that
-	// claimed it: renew it, or find out it is gone, before any work.
-	if err := a.renewSagaLease(ctx, lease); err != nil {
-		return err
-	}
+	// claimed it. No renewal up front: the first write below is fenced, and
+	// the processor is called only after renewSagaLease, so a worker whose
+	// lease is gone finds out before it does anything.
+	var order orderRow
 	for {
 		saga, steps, err := readSaga(ctx, a.db, lease.SagaID)
 		if err != nil {
 			return err
 		}
-		order, err := readOrder(ctx, a.db, saga.OrderID)
-		if err != nil {
-			return err
+		// What the saga uses of the order (items, amount, payment method)
+		// never changes: read it once.
+		if order.OrderID == "" {
+			order, err = readOrder(ctx, a.db, saga.OrderID)
+			if err != nil {
+				return err
+			}
 		}
 		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
 			return err
@@ -310,8 +314,11 @@ func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
 			if !ok {
 				return fmt.Errorf("bug: saga %s in progress with no pending step", lease.SagaID)
 			}
-			err := a.runStep(ctx, lease, saga, step, steps, order)
+			status, err := a.runStep(ctx, lease, saga, step, steps, order)
 			switch {
+			case err == nil && status == sagaCompleted:
+				// Released in the transaction that completed it.
+				return nil
 			case err == nil, errors.Is(err, errStepNotPending):
 				continue
 			case errors.Is(err, errCrash), errors.Is(err, errSagaLeaseLost):
@@ -331,10 +338,8 @@ func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
 		case sagaCompensating:
 			step, ok := lastStepWith(steps, stepDone)
 			if !ok {
-				if err := a.finishCompensation(ctx, lease, saga); err != nil {
-					return err
-				}
-				continue
+				// Released in the transaction that ends the compensation.
+				return a.finishCompensation(ctx, lease, saga)
 			}
 			err := a.compensateStep(ctx, lease, saga, step, steps, order)
 			switch {
@@ -351,7 +356,10 @@ func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
 				return a.scheduleRetry(ctx, lease, saga, err, true)
 			}
 		case sagaCompleted, sagaCompensated, sagaCompensationFailed:
-			return a.releaseSaga(ctx, lease)
+			// Ended by another worker since this one's claim.
+			return withTx(ctx, a.db, func(tx *sql.Tx) error {
+				return releaseSaga(ctx, tx, lease)
+			})
 		default:
 			return fmt.Errorf("bug: unhandled saga status %q", saga.Status)
 		}
@@ -400,15 +408,17 @@ func refundKey(sagaID string) string {
 	return sagaID + ":" + stepChargeCard + ":refund"
 }
 
-// runStep runs one pending forward step. Each local effect commits in one
-// transaction with the step's record, fenced by lease; the card is charged
-// outside any transaction (it is a call to another system), only while the
-// lease still holds, and with a key derived from the saga, so a second
-// worker that took the saga over asks for the same charge.
-func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
+// runStep runs one pending forward step and returns the saga's status
+// after it. Each local effect commits in one transaction with the step's
+// record, fenced by lease; the card is charged outside any transaction (it
+// is a call to another system), only while the lease still holds, and with
+// a key derived from the saga, so a second worker that took the saga over
+// asks for the same charge.
+func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) (sagaStatus, error) {
 	switch step.Name {
 	case stepReserveStock:
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		var status sagaStatus
+		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -419,14 +429,17 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 				return err
 			}
-			return a.markStepDone(ctx, tx, lease, step, "", now)
+			var err error
+			status, err = a.markStepDone(ctx, tx, lease, step, "", now)
+			return err
 		})
+		return status, err
 	case stepChargeCard:
 		if err := a.renewSagaLease(ctx, lease); err != nil {
-			return err
+			return "", err
 		}
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
-			return err
+			return "", err
 		}
 		chargeID, err := a.processor.charge(ctx, chargeRequest{
 			IdempotencyKey: chargeKey(saga.SagaID),
@@ -436,23 +449,28 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 			PaymentMethod:  order.PaymentMethod,
 		})
 		if err != nil {
-			return err
+			return "", err
 		}
 		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
-			return err
+			return "", err
 		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		var status sagaStatus
+		err = withTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
 			}
-			return a.markStepDone(ctx, tx, lease, step, chargeID, now)
+			var err error
+			status, err = a.markStepDone(ctx, tx, lease, step, chargeID, now)
+			return err
 		})
+		return status, err
 	case stepConfirm:
 		charge, ok := firstStepNamed(steps, stepChargeCard)
 		if !ok || !charge.Result.Valid {
-			return fmt.Errorf("bug: saga %s confirms without a charge", saga.SagaID)
+			return "", fmt.Errorf("bug: saga %s confirms without a charge", saga.SagaID)
 		}
+		var status sagaStatus
 		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
@@ -477,16 +495,17 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 				return err
 			}
-			return a.markStepDone(ctx, tx, lease, step, "", now)
+			status, err = a.markStepDone(ctx, tx, lease, step, "", now)
+			return err
 		})
 		if err == nil {
 			// PaymentCaptured is committed: the relay need not wait for
 			// its next poll to tell the order service.
 			a.wake.relay.signal()
 		}
-		return err
+		return status, err
 	default:
-		return fmt.Errorf("bug: unhandled saga step %q", step.Name)
+		return "", fmt.Errorf("bug: unhandled saga step %q", step.Name)
 	}
 }
 
@@ -589,21 +608,22 @@ func oneRowOr(result sql.Result, notMatched error) error {
 }
 
 // markStepDone records step as done and moves the saga to the next step (or
-// completes it), in the transaction of the step's effect, after fenceSaga.
-// If another worker recorded the step first it returns errStepNotPending,
-// and the effect rolls back with it; if the saga is no longer in progress
-// (another worker turned it to compensation) it returns errSagaLeaseLost:
-// a saga never moves back.
-func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) error {
+// completes it, and releases it: a completed saga needs no lease), in the
+// transaction of the step's effect, after fenceSaga. It returns the saga's
+// new status. If another worker recorded the step first it returns
+// errStepNotPending, and the effect rolls back with it; if the saga is no
+// longer in progress (another worker turned it to compensation) it returns
+// errSagaLeaseLost: a saga never moves back.
+func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) (sagaStatus, error) {
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_steps SET status = ?, attempts = attempts + 1, result = ?, done_at = ?
 		WHERE saga_id = ? AND step_index = ? AND status = ?`,
 		stepDone, sql.NullString{String: result, Valid: result != ""}, formatTime(now), lease.SagaID, step.Index, stepPending)
 	if err != nil {
-		return fmt.Errorf("mark step %s done: %w", step.Name, err)
+		return "", fmt.Errorf("mark step %s done: %w", step.Name, err)
 	}
 	if err := oneRowOr(updated, errStepNotPending); err != nil {
-		return err
+		return "", err
 	}
 	steps := fulfilmentSteps()
 	status, next := sagaInProgress, step.Name
@@ -617,9 +637,17 @@ func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, ste
 		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
 		status, next, formatTime(now), lease.SagaID, sagaInProgress, lease.Token)
 	if err != nil {
-		return fmt.Errorf("advance saga: %w", err)
+		return "", fmt.Errorf("advance saga: %w", err)
 	}
-	return oneRowOr(advanced, errSagaLeaseLost)
+	if err := oneRowOr(advanced, errSagaLeaseLost); err != nil {
+		return "", err
+	}
+	if status == sagaCompleted {
+		if err := releaseSaga(ctx, tx, lease); err != nil {
+			return "", err
+		}
+	}
+	return status, nil
 }
 
 // markStepCompensated records that step was undone, in the transaction of
@@ -698,6 +726,10 @@ func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga saga
 		if err := oneRowOr(updated, errSagaLeaseLost); err != nil {
 			return err
 		}
+		// A compensated saga needs no lease.
+		if err := releaseSaga(ctx, tx, lease); err != nil {
+			return err
+		}
 		orderCancelled, err := a.newOutboxEvent(eventOrderCancelled, saga.OrderID, orderCancelledPayload{
 			OrderID: saga.OrderID,
 			Reason:  saga.FailureReason.String,
@@ -756,10 +788,10 @@ func (a *App) setSagaAside(ctx context.Context, lease sagaClaim, cause error) er
 	return oneRowOr(updated, errSagaLeaseLost)
 }
 
-// releaseSaga gives up lease on a terminal saga. A lease already taken over
-// is left alone.
-func (a *App) releaseSaga(ctx context.Context, lease sagaClaim) error {
-	_, err := a.db.ExecContext(ctx, `
+// releaseSaga gives up lease on a terminal saga, in tx. A lease already
+// taken over is left alone.
+func releaseSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim) error {
+	_, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL
 		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
 		lease.SagaID, lease.WorkerID, lease.Token)
