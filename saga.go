@@ -224,9 +224,10 @@ func sagaBackoff(attempts int) time.Duration {
 //
 // A round takes every claimed saga one step: the card calls of the round
 // first, outside any transaction (sagaCalls), then every saga's local step,
-// or the record of its call, in one transaction with a savepoint per saga
-// (sagaStep). One commit per round, not one per saga and step; a lone saga
-// runs exactly as it did on its own.
+// or the record of its call, in one transaction with a savepoint per step
+// (sagaStepIn); confirm, which is local, follows the charge's record in
+// the same transaction. One commit per round, not one per saga and step: a
+// paid order takes two rounds (reserve; charge, then record and confirm).
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var leases []sagaClaim
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -298,6 +299,24 @@ type sagaRun struct {
 	called   bool
 	chargeID string
 	callErr  error
+	// renewed: the last round's commit recorded a step of this saga, and
+	// renewed its lease with it (fenceSaga).
+	renewed bool
+}
+
+// confirmAfterCharge returns run as it stands once its charge is recorded
+// in the round's transaction: at confirm, the charge's id in its step. run
+// itself is left as read, for a transaction that runs again.
+func confirmAfterCharge(run *sagaRun) *sagaRun {
+	confirm := *run
+	confirm.steps = append([]sagaStepRow(nil), run.steps...)
+	confirm.steps[run.step.Index].Status = stepDone
+	confirm.steps[run.step.Index].Result = sql.NullString{String: run.chargeID, Valid: true}
+	confirm.step, confirm.stepOK = firstStepWith(confirm.steps, stepPending)
+	confirm.saga.CurrentStep = confirm.step.Name
+	confirm.saga.Attempts = 0
+	confirm.called, confirm.chargeID, confirm.callErr = false, "", nil
+	return &confirm
 }
 
 // sagaNext says what becomes of a saga after its step in a round.
@@ -306,6 +325,9 @@ type sagaNext int
 const (
 	// sagaAgain: the saga goes on in the next round, read afresh.
 	sagaAgain sagaNext = iota
+	// sagaStepDone: a forward step is recorded, and the lease renewed with
+	// it; the saga goes on.
+	sagaStepDone
 	// sagaCompensatedStep: one compensation is recorded; the saga goes on.
 	sagaCompensatedStep
 	// sagaLeft: the saga is terminal, waits for a retry, or is another
@@ -361,6 +383,16 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 				if err != nil {
 					return err
 				}
+				if next == sagaStepDone && run.step.Name == stepChargeCard {
+					// confirm is local: it runs right after the charge is
+					// recorded, in this transaction but in a savepoint of
+					// its own, so that its failure leaves the charge
+					// recorded (and refunded by the compensation).
+					next, err = a.sagaStepIn(ctx, tx, confirmAfterCharge(run))
+					if err != nil {
+						return err
+					}
+				}
 				nexts[i] = next
 			}
 		}
@@ -375,8 +407,11 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 		if asides[i] != nil {
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
 		}
+		// The next round's processor call needs no renewal of its own
+		// right after a commit that renewed the lease.
+		run.renewed = nexts[i] == sagaStepDone
 		switch nexts[i] {
-		case sagaAgain:
+		case sagaAgain, sagaStepDone:
 			again = append(again, run)
 		case sagaCompensatedStep:
 			if err := a.fault.at(ctx, faultMidCompensation); err != nil {
@@ -437,10 +472,11 @@ func (a *App) readSagaRun(ctx context.Context, run *sagaRun) {
 // sagaCalls makes the round's processor calls: the charge of every saga
 // at charge_card, the refund of every saga compensating it. They are calls
 // to another system and run outside any transaction, only while the lease
-// holds (renewed for all of them in one transaction first), and with keys
-// derived from the saga, so a second worker that took a saga over asks for
-// the same charge or refund. A saga whose lease is gone gets callErr
-// errSagaLeaseLost and no call.
+// holds, and with keys derived from the saga, so a second worker that took
+// a saga over asks for the same charge or refund. The leases are renewed
+// first, in one transaction for all the calls, except those the last
+// round's commit renewed (a saga whose reserve_stock it recorded). A saga
+// whose lease is gone gets callErr errSagaLeaseLost and no call.
 func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 	var calling []*sagaRun
 	for _, run := range runs {
@@ -451,26 +487,34 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 	if len(calling) == 0 {
 		return nil
 	}
-	var lost []bool
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
-		lost = make([]bool, len(calling))
-		now := a.now()
-		for i, run := range calling {
-			err := a.fenceSaga(ctx, tx, run.lease, now)
-			if errors.Is(err, errSagaLeaseLost) {
-				// A fence that changed no row wrote nothing: the other
-				// leases renew all the same.
-				lost[i] = true
-				continue
-			}
-			if err != nil {
-				return err
-			}
+	lost := make([]bool, len(calling))
+	var renewing []int
+	for i, run := range calling {
+		if !run.renewed {
+			renewing = append(renewing, i)
 		}
-		return nil
-	})
-	if err != nil {
-		return err
+	}
+	if len(renewing) > 0 {
+		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+			clear(lost)
+			now := a.now()
+			for _, i := range renewing {
+				err := a.fenceSaga(ctx, tx, calling[i].lease, now)
+				if errors.Is(err, errSagaLeaseLost) {
+					// A fence that changed no row wrote nothing: the
+					// other leases renew all the same.
+					lost[i] = true
+					continue
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
 	}
 	for i, run := range calling {
 		run.called = true
@@ -664,12 +708,12 @@ func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Ti
 		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 			return sagaLeft, err
 		}
-		return sagaAgain, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
+		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
 	case stepChargeCard:
 		if !run.called {
 			return sagaLeft, fmt.Errorf("bug: saga %s records a charge it did not ask for", run.saga.SagaID)
 		}
-		return sagaAgain, a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
+		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
 	case stepConfirm:
 		charge, ok := firstStepNamed(run.steps, stepChargeCard)
 		if !ok || !charge.Result.Valid {
