@@ -224,10 +224,8 @@ func sagaBackoff(attempts int) time.Duration {
 //
 // A round takes every claimed saga one step: the card calls of the round
 // first, outside any transaction (sagaCalls), then every saga's local step,
-// or the record of its call, in one transaction with a savepoint per step
-// (sagaStepIn); confirm, which is local, follows the charge's record in
-// the same transaction. One commit per round, not one per saga and step: a
-// paid order takes two rounds (reserve; charge, then record and confirm).
+// or the record of its call, in one transaction with a savepoint per saga
+// (sagaStepIn). One commit per round, not one per saga and step.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var leases []sagaClaim
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -304,21 +302,6 @@ type sagaRun struct {
 	renewed bool
 }
 
-// confirmAfterCharge returns run as it stands once its charge is recorded
-// in the round's transaction: at confirm, the charge's id in its step. run
-// itself is left as read, for a transaction that runs again.
-func confirmAfterCharge(run *sagaRun) *sagaRun {
-	confirm := *run
-	confirm.steps = append([]sagaStepRow(nil), run.steps...)
-	confirm.steps[run.step.Index].Status = stepDone
-	confirm.steps[run.step.Index].Result = sql.NullString{String: run.chargeID, Valid: true}
-	confirm.step, confirm.stepOK = firstStepWith(confirm.steps, stepPending)
-	confirm.saga.CurrentStep = confirm.step.Name
-	confirm.saga.Attempts = 0
-	confirm.called, confirm.chargeID, confirm.callErr = false, "", nil
-	return &confirm
-}
-
 // sagaNext says what becomes of a saga after its step in a round.
 type sagaNext int
 
@@ -382,16 +365,6 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 				next, err := a.sagaStepIn(ctx, tx, run)
 				if err != nil {
 					return err
-				}
-				if next == sagaStepDone && run.step.Name == stepChargeCard {
-					// confirm is local: it runs right after the charge is
-					// recorded, in this transaction but in a savepoint of
-					// its own, so that its failure leaves the charge
-					// recorded (and refunded by the compensation).
-					next, err = a.sagaStepIn(ctx, tx, confirmAfterCharge(run))
-					if err != nil {
-						return err
-					}
 				}
 				nexts[i] = next
 			}
