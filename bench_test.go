@@ -485,7 +485,7 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // process) side by side, the clients spread over their APIs: scaling out.
 func BenchmarkEndToEnd(b *testing.B) {
 	type setup struct{ clients, processes int }
-	setups := []setup{{1, 1}, {8, 1}}
+	setups := []setup{{1, 1}, {8, 1}, {64, 1}}
 	if onPostgres() {
 		setups = append(setups, setup{8, 2}, setup{8, 3})
 	}

@@ -37,12 +37,12 @@ func mutations() []mutation {
 			name:  "SagaWritesUnfenced",
 			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
 			edits: []mutationEdit{
-				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// renewSagaLease", "\t_ = updated\n\treturn nil\n}\n\n// renewSagaLease"},
+				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
-				{"saga.go", "\treturn oneRowOr(advanced, errSagaLeaseLost)", "\t_ = advanced\n\treturn nil"},
-				{"saga.go", "\t\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\t\treturn err\n\t\t}", "\t\t_ = failed"},
-				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\t\tsagaCompensating,", "WHERE saga_id = ? AND status = ? AND ? >= 0`,\n\t\t\tsagaCompensating,"},
-				{"saga.go", "\t\treturn oneRowOr(turned, errSagaLeaseLost)", "\t\t_ = turned\n\t\treturn nil"},
+				{"saga.go", "\tif err := oneRowOr(advanced, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = advanced"},
+				{"saga.go", "\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = failed"},
+				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tsagaCompensating,", "WHERE saga_id = ? AND status = ? AND ? >= 0`,\n\t\tsagaCompensating,"},
+				{"saga.go", "\treturn oneRowOr(turned, errSagaLeaseLost)", "\t_ = turned\n\treturn nil"},
 			},
 		},
 		{
@@ -129,7 +129,7 @@ func mutations() []mutation {
 			name:  "NoOrderCancelled",
 			fault: "sample flaw 8: it left the order as it was after compensating",
 			edits: []mutationEdit{
-				{"saga.go", "\t\treturn insertOutboxEvent(ctx, tx, orderCancelled, now)", "\t\t_ = orderCancelled\n\t\treturn nil"},
+				{"saga.go", "\treturn insertOutboxEvent(ctx, tx, orderCancelled, now)", "\t_ = orderCancelled\n\treturn nil"},
 			},
 		},
 		{

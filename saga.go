@@ -27,6 +27,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"time"
 )
@@ -214,11 +215,17 @@ func sagaBackoff(attempts int) time.Duration {
 	return min(time.Second<<min(attempts-1, 6), time.Minute)
 }
 
-// sagaOnce claims up to max runnable sagas under a lease and runs each as
-// far as it can go now. A saga is runnable when it is in progress or
-// compensating, due, and not leased to a live worker; so this is also the
-// recovery pass: a saga whose worker died is resumed, forward or backward,
-// once its lease passes. It returns how many sagas it ran.
+// sagaOnce claims up to max runnable sagas under a lease and advances them
+// together, in rounds, each as far as it can go now. A saga is runnable
+// when it is in progress or compensating, due, and not leased to a live
+// worker; so this is also the recovery pass: a saga whose worker died is
+// resumed, forward or backward, once its lease passes. It returns how many
+// sagas it ran.
+//
+// A round takes every claimed saga one step: the card calls of the round
+// first, outside any transaction (sagaCalls), then every saga's local step,
+// or the record of its call, in one transaction with a savepoint per saga
+// (sagaStepIn). One commit per round, not one per saga and step.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var leases []sagaClaim
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -252,109 +259,371 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 	if err != nil {
 		return 0, err
 	}
+	// RETURNING gives no order; run them in the order claimed, so that a
+	// pass is the same every time (the simulator replays it from a seed).
+	sort.Slice(leases, func(i, j int) bool { return leases[i].SagaID < leases[j].SagaID })
+	runs := make([]*sagaRun, len(leases))
+	for i, lease := range leases {
+		runs[i] = &sagaRun{lease: lease}
+	}
 	var failures []error
-	for _, lease := range leases {
-		err := a.runSaga(ctx, lease)
-		switch {
-		case err == nil:
-		case errors.Is(err, errCrash):
-			return 0, err
-		case errors.Is(err, errSagaLeaseLost):
-			// Another worker has the saga now (this one was slow, or the
-			// tail of this batch waited past its lease): leave it to them.
-		default:
-			// One saga failing (a bug, a broken row) must not hold up the
-			// others claimed with it: put it back for later, go on, and
-			// report it.
-			failures = append(failures, fmt.Errorf("saga %s: %w", lease.SagaID, err))
-			if err := a.setSagaAside(ctx, lease, err); err != nil && !errors.Is(err, errSagaLeaseLost) {
-				return 0, err
-			}
+	for len(runs) > 0 {
+		runs, err = a.sagaRound(ctx, runs, &failures)
+		if err != nil {
+			return 0, errors.Join(append(failures, err)...)
 		}
 	}
 	return len(leases), errors.Join(failures...)
 }
 
-// runSaga drives one saga, under lease, until it is terminal or must wait
-// (a transient failure schedules the next attempt). Returns errSagaLeaseLost
-// as soon as a write finds that another worker claimed the saga since; any
-// other error only when the worker must stop (errCrash, or the database
-// failing).
+// sagaRun is one claimed saga while sagaOnce advances it: what the worker
+// read of it this round, and what the processor answered.
+type sagaRun struct {
+	lease sagaClaim
+	saga  sagaRow
+	steps []sagaStepRow
+	// order is read once: what the saga uses of it (items, amount,
+	// payment method) never changes.
+	order orderRow
+	// step is the step this round runs (in progress) or undoes
+	// (compensating); ok is false when there is none.
+	step   sagaStepRow
+	stepOK bool
+	// unexpected is set when the saga cannot go on at all (a bug, a
+	// broken row): it is set aside.
+	unexpected error
+	// called: the processor was called for step this round; chargeID and
+	// callErr are its answer.
+	called   bool
+	chargeID string
+	callErr  error
+	// renewed: the last round's commit recorded a step of this saga, and
+	// renewed its lease with it (fenceSaga).
+	renewed bool
+}
+
+// sagaNext says what becomes of a saga after its step in a round.
+type sagaNext int
+
+const (
+	// sagaAgain: the saga goes on in the next round, read afresh.
+	sagaAgain sagaNext = iota
+	// sagaStepDone: a forward step is recorded, and the lease renewed with
+	// it; the saga goes on.
+	sagaStepDone
+	// sagaCompensatedStep: one compensation is recorded; the saga goes on.
+	sagaCompensatedStep
+	// sagaLeft: the saga is terminal, waits for a retry, or is another
+	// worker's now; this pass is done with it.
+	sagaLeft
+	// sagaWroteEvent: like sagaLeft, and the step's transaction wrote an
+	// event to the outbox (PaymentCaptured, OrderCancelled).
+	sagaWroteEvent
+)
+
+// sagaRound reads every saga in runs, makes the round's processor calls,
+// then runs every saga's step in one transaction, and returns the sagas
+// that go on. Every write is fenced by its saga's lease (fenceSaga, in the
+// write's own savepoint), and a status only moves forward (in_progress ->
+// completed, or in_progress -> compensating -> compensated |
+// compensation_failed): a worker acting on what it read before a pause can
+// neither record a step over another worker's nor pull a saga back.
 //
-// Every write below is fenced by lease.Token (fenceSaga, in the write's own
-// transaction), and a status only moves forward (in_progress -> completed,
-// or in_progress -> compensating -> compensated | compensation_failed): a
-// worker acting on what it read before a pause can neither record a step
-// over another worker's nor pull the saga back.
-func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
-	// A saga at the tail of a batch may have waited past the lease that
-	// claimed it: renew it, or find out it is gone, before any work.
-	if err := a.renewSagaLease(ctx, lease); err != nil {
-		return err
-	}
-	for {
-		saga, steps, err := readSaga(ctx, a.db, lease.SagaID)
-		if err != nil {
-			return err
+// A saga that fails unexpectedly (a bug, a broken row) is set aside for a
+// minute and reported in failures; it does not hold up the others. Returns
+// an error only when the worker must stop: errCrash, or the database
+// failing (nothing of the round's transaction is committed then; the sagas
+// come back when their leases pass).
+func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error) ([]*sagaRun, error) {
+	for _, run := range runs {
+		a.readSagaRun(ctx, run)
+		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+			return nil, err
 		}
+	}
+	if err := a.sagaCalls(ctx, runs); err != nil {
+		return nil, err
+	}
+	var nexts []sagaNext
+	var asides []error
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		nexts, asides = make([]sagaNext, len(runs)), make([]error, len(runs))
+		for i, run := range runs {
+			switch {
+			case run.called && errors.Is(run.callErr, errSagaLeaseLost):
+				nexts[i] = sagaLeft
+			case run.unexpected != nil:
+				// A bug or a broken row must not hold up the other
+				// sagas: put it back for later and report it.
+				asides[i] = run.unexpected
+				nexts[i] = sagaLeft
+				err := a.setSagaAside(ctx, tx, run.lease, run.unexpected)
+				if err != nil && !errors.Is(err, errSagaLeaseLost) {
+					return err
+				}
+			default:
+				next, err := a.sagaStepIn(ctx, tx, run)
+				if err != nil {
+					return err
+				}
+				nexts[i] = next
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	var again []*sagaRun
+	wroteEvent := false
+	for i, run := range runs {
+		if asides[i] != nil {
+			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
+		}
+		// The next round's processor call needs no renewal of its own
+		// right after a commit that renewed the lease.
+		run.renewed = nexts[i] == sagaStepDone
+		switch nexts[i] {
+		case sagaAgain, sagaStepDone:
+			again = append(again, run)
+		case sagaCompensatedStep:
+			if err := a.fault.at(ctx, faultMidCompensation); err != nil {
+				return nil, err
+			}
+			again = append(again, run)
+		case sagaLeft:
+		case sagaWroteEvent:
+			wroteEvent = true
+		default:
+			return nil, fmt.Errorf("bug: unhandled saga next %d", nexts[i])
+		}
+	}
+	if wroteEvent {
+		// PaymentCaptured or OrderCancelled is committed: the relay need
+		// not wait for its next poll to tell the order service.
+		a.wake.relay.signal()
+	}
+	return again, nil
+}
+
+// readSagaRun reads run's saga and steps afresh (and its order the first
+// time), and picks the step this round runs or undoes. A saga that cannot
+// be read (a broken row; or the database failing, which setting it aside
+// then finds out) gets run.unexpected.
+func (a *App) readSagaRun(ctx context.Context, run *sagaRun) {
+	run.called, run.chargeID, run.callErr, run.unexpected = false, "", nil, nil
+	run.step, run.stepOK = sagaStepRow{}, false
+	saga, steps, err := readSaga(ctx, a.db, run.lease.SagaID)
+	if err != nil {
+		run.unexpected = err
+		return
+	}
+	run.saga, run.steps = saga, steps
+	if run.order.OrderID == "" {
 		order, err := readOrder(ctx, a.db, saga.OrderID)
 		if err != nil {
+			run.unexpected = err
+			return
+		}
+		run.order = order
+	}
+	switch saga.Status {
+	case sagaInProgress:
+		run.step, run.stepOK = firstStepWith(steps, stepPending)
+		if !run.stepOK {
+			run.unexpected = fmt.Errorf("bug: saga %s in progress with no pending step", saga.SagaID)
+		}
+	case sagaCompensating:
+		// Compensation runs in reverse.
+		run.step, run.stepOK = lastStepWith(steps, stepDone)
+	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
+	default:
+		run.unexpected = fmt.Errorf("bug: unhandled saga status %q", saga.Status)
+	}
+}
+
+// sagaCalls makes the round's processor calls: the charge of every saga
+// at charge_card, the refund of every saga compensating it. They are calls
+// to another system and run outside any transaction, only while the lease
+// holds, and with keys derived from the saga, so a second worker that took
+// a saga over asks for the same charge or refund. The leases are renewed
+// first, in one transaction for all the calls, except those the last
+// round's commit renewed (a saga whose reserve_stock it recorded). A saga
+// whose lease is gone gets callErr errSagaLeaseLost and no call.
+func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
+	var calling []*sagaRun
+	for _, run := range runs {
+		if run.unexpected == nil && run.stepOK && run.step.Name == stepChargeCard {
+			calling = append(calling, run)
+		}
+	}
+	if len(calling) == 0 {
+		return nil
+	}
+	lost := make([]bool, len(calling))
+	var renewing []int
+	for i, run := range calling {
+		if !run.renewed {
+			renewing = append(renewing, i)
+		}
+	}
+	if len(renewing) > 0 {
+		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+			clear(lost)
+			now := a.now()
+			for _, i := range renewing {
+				err := a.fenceSaga(ctx, tx, calling[i].lease, now)
+				if errors.Is(err, errSagaLeaseLost) {
+					// A fence that changed no row wrote nothing: the
+					// other leases renew all the same.
+					lost[i] = true
+					continue
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
 			return err
 		}
-		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+	}
+	for i, run := range calling {
+		run.called = true
+		if lost[i] {
+			run.callErr = errSagaLeaseLost
+			continue
+		}
+		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
-		switch saga.Status {
-		case sagaInProgress:
-			step, ok := firstStepWith(steps, stepPending)
-			if !ok {
-				return fmt.Errorf("bug: saga %s in progress with no pending step", lease.SagaID)
-			}
-			err := a.runStep(ctx, lease, saga, step, steps, order)
-			switch {
-			case err == nil, errors.Is(err, errStepNotPending):
-				continue
-			case errors.Is(err, errCrash), errors.Is(err, errSagaLeaseLost):
-				return err
-			case isBusinessFailure(err):
-				if err := a.failStep(ctx, lease, saga, step, err); err != nil {
-					return err
-				}
-				continue
-			default:
-				// Transient (a timeout, a busy database): try again later. A
-				// charge that timed out may have happened, so giving up and
-				// compensating would need the charge's id we do not have;
-				// retrying with the same key is what finds it.
-				return a.scheduleRetry(ctx, lease, saga, err, false)
-			}
-		case sagaCompensating:
-			step, ok := lastStepWith(steps, stepDone)
-			if !ok {
-				if err := a.finishCompensation(ctx, lease, saga); err != nil {
-					return err
-				}
-				continue
-			}
-			err := a.compensateStep(ctx, lease, saga, step, steps, order)
-			switch {
-			case err == nil, errors.Is(err, errStepNotPending):
-				if err := a.fault.at(ctx, faultMidCompensation); err != nil {
-					return err
-				}
-				continue
-			case errors.Is(err, errCrash), errors.Is(err, errSagaLeaseLost):
-				return err
-			default:
-				// A compensation can fail too. Retry it, and after
-				// maxCompensationAttempts stop and leave it to an operator.
-				return a.scheduleRetry(ctx, lease, saga, err, true)
-			}
-		case sagaCompleted, sagaCompensated, sagaCompensationFailed:
-			return a.releaseSaga(ctx, lease)
-		default:
-			return fmt.Errorf("bug: unhandled saga status %q", saga.Status)
+		if run.saga.Status == sagaInProgress {
+			run.chargeID, run.callErr = a.processor.charge(ctx, chargeRequest{
+				IdempotencyKey: chargeKey(run.saga.SagaID),
+				OrderID:        run.order.OrderID,
+				AmountCents:    run.order.AmountCents,
+				Currency:       run.order.Currency,
+				PaymentMethod:  run.order.PaymentMethod,
+			})
+		} else {
+			_, run.callErr = a.processor.refund(ctx, refundKey(run.saga.SagaID), run.step.Result.String, run.order.AmountCents)
 		}
+		if errors.Is(run.callErr, errCrash) {
+			return run.callErr
+		}
+		if run.callErr != nil {
+			continue
+		}
+		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sagaStepIn runs run's step in its own SAVEPOINT of tx and says what
+// becomes of the saga. A step that fails rolls back to the savepoint, so
+// the other sagas' steps in tx stand; its failure is then recorded in tx:
+// a business failure turns the saga to compensation (failStep), a
+// transient one schedules the next attempt (scheduleRetry).
+//
+// Returns an error only when tx must roll back (errCrash, the context
+// ended, the database failed or must retry the transaction).
+func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
+	if _, err := tx.ExecContext(ctx, `SAVEPOINT saga_step`); err != nil {
+		return sagaLeft, fmt.Errorf("savepoint: %w", err)
+	}
+	next, err := a.sagaStep(ctx, tx, run)
+	if err != nil {
+		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO saga_step`); rollbackErr != nil {
+			return sagaLeft, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+		}
+	}
+	if _, releaseErr := tx.ExecContext(ctx, `RELEASE saga_step`); releaseErr != nil {
+		return sagaLeft, fmt.Errorf("release savepoint: %w", releaseErr)
+	}
+	switch {
+	case err == nil:
+		return next, nil
+	case errors.Is(err, errCrash), ctx.Err() != nil, dialectOf(a.db).retryTx(err), isBusy(err), isDatabaseUnavailable(err):
+		return sagaLeft, err
+	case errors.Is(err, errStepNotPending):
+		// Recorded by another worker first: read the saga again.
+		return sagaAgain, nil
+	case errors.Is(err, errSagaLeaseLost):
+		// Another worker has the saga now: leave it to them.
+		return sagaLeft, nil
+	case run.saga.Status == sagaInProgress && isBusinessFailure(err):
+		err := a.failStep(ctx, tx, run.lease, run.saga, run.step, err)
+		return sagaAgainUnlessLost(err)
+	case run.saga.Status == sagaInProgress:
+		// Transient (a timeout, a busy processor): try again later. A
+		// charge that timed out may have happened, so giving up and
+		// compensating would need the charge's id we do not have;
+		// retrying with the same key is what finds it.
+		return sagaLeftUnlessFailed(a.scheduleRetry(ctx, tx, run.lease, run.saga, err, false))
+	default:
+		// A compensation can fail too. Retry it, and after
+		// maxCompensationAttempts stop and leave it to an operator.
+		return sagaLeftUnlessFailed(a.scheduleRetry(ctx, tx, run.lease, run.saga, err, true))
+	}
+}
+
+// sagaAgainUnlessLost is what becomes of a saga after a write that turned
+// it (failStep): it goes on, unless the write found its lease lost.
+func sagaAgainUnlessLost(err error) (sagaNext, error) {
+	if errors.Is(err, errSagaLeaseLost) {
+		return sagaLeft, nil
+	}
+	if err != nil {
+		return sagaLeft, err
+	}
+	return sagaAgain, nil
+}
+
+// sagaLeftUnlessFailed is what becomes of a saga after a write that
+// released it (scheduleRetry): this pass is done with it either way.
+func sagaLeftUnlessFailed(err error) (sagaNext, error) {
+	if err != nil && !errors.Is(err, errSagaLeaseLost) {
+		return sagaLeft, err
+	}
+	return sagaLeft, nil
+}
+
+// sagaStep runs run's step in tx, or records the processor's answer to it.
+// Each local effect commits with the step's record, fenced by the lease.
+func (a *App) sagaStep(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
+	if run.called && run.callErr != nil {
+		return sagaLeft, run.callErr
+	}
+	now := a.now()
+	switch run.saga.Status {
+	case sagaInProgress:
+		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
+			return sagaLeft, err
+		}
+		return a.runStep(ctx, tx, run, now)
+	case sagaCompensating:
+		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
+			return sagaLeft, err
+		}
+		if !run.stepOK {
+			// Every done step is undone.
+			if err := a.finishCompensation(ctx, tx, run.lease, run.saga, now); err != nil {
+				return sagaLeft, err
+			}
+			return sagaWroteEvent, nil
+		}
+		if err := a.compensateStep(ctx, tx, run, now); err != nil {
+			return sagaLeft, err
+		}
+		return sagaCompensatedStep, nil
+	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
+		// Ended by another worker since this one's claim.
+		return sagaLeft, releaseSaga(ctx, tx, run.lease)
+	default:
+		return sagaLeft, fmt.Errorf("bug: unhandled saga status %q", run.saga.Status)
 	}
 }
 
@@ -400,141 +669,80 @@ func refundKey(sagaID string) string {
 	return sagaID + ":" + stepChargeCard + ":refund"
 }
 
-// runStep runs one pending forward step. Each local effect commits in one
-// transaction with the step's record, fenced by lease; the card is charged
-// outside any transaction (it is a call to another system), only while the
-// lease still holds, and with a key derived from the saga, so a second
-// worker that took the saga over asks for the same charge.
-func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
-	switch step.Name {
+// runStep runs run's pending forward step in tx, after fenceSaga: a local
+// effect commits with the step's record. The charge itself happened at the
+// processor (sagaCalls), outside any transaction: here it is recorded.
+func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) (sagaNext, error) {
+	switch run.step.Name {
 	case stepReserveStock:
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			now := a.now()
-			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-				return err
-			}
-			if err := reserveStock(ctx, tx, order, now); err != nil {
-				return err
-			}
-			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-				return err
-			}
-			return a.markStepDone(ctx, tx, lease, step, "", now)
-		})
+		if err := reserveStock(ctx, tx, run.order, now); err != nil {
+			return sagaLeft, err
+		}
+		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+			return sagaLeft, err
+		}
+		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
 	case stepChargeCard:
-		if err := a.renewSagaLease(ctx, lease); err != nil {
-			return err
+		if !run.called {
+			return sagaLeft, fmt.Errorf("bug: saga %s records a charge it did not ask for", run.saga.SagaID)
 		}
-		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
-			return err
+		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
+	case stepConfirm:
+		charge, ok := firstStepNamed(run.steps, stepChargeCard)
+		if !ok || !charge.Result.Valid {
+			return sagaLeft, fmt.Errorf("bug: saga %s confirms without a charge", run.saga.SagaID)
 		}
-		chargeID, err := a.processor.charge(ctx, chargeRequest{
-			IdempotencyKey: chargeKey(saga.SagaID),
-			OrderID:        order.OrderID,
-			AmountCents:    order.AmountCents,
-			Currency:       order.Currency,
-			PaymentMethod:  order.PaymentMethod,
+		if err := settleReservations(ctx, tx, run.order.OrderID, stockSold, now); err != nil {
+			return sagaLeft, err
+		}
+		// The payment result leaves through the outbox, in the same
+		// transaction that records it; the order service applies it.
+		paymentCaptured, err := a.newOutboxEvent(eventPaymentCaptured, run.order.OrderID, paymentCapturedPayload{
+			OrderID:     run.order.OrderID,
+			ChargeID:    charge.Result.String,
+			AmountCents: run.order.AmountCents,
 		})
 		if err != nil {
-			return err
+			return sagaLeft, err
 		}
-		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
-			return err
+		if err := insertOutboxEvent(ctx, tx, paymentCaptured, now); err != nil {
+			return sagaLeft, err
 		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			now := a.now()
-			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-				return err
-			}
-			return a.markStepDone(ctx, tx, lease, step, chargeID, now)
-		})
-	case stepConfirm:
-		charge, ok := firstStepNamed(steps, stepChargeCard)
-		if !ok || !charge.Result.Valid {
-			return fmt.Errorf("bug: saga %s confirms without a charge", saga.SagaID)
+		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+			return sagaLeft, err
 		}
-		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
-			now := a.now()
-			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-				return err
-			}
-			if err := settleReservations(ctx, tx, order.OrderID, stockSold, now); err != nil {
-				return err
-			}
-			// The payment result leaves through the outbox, in the same
-			// transaction that records it; the order service applies it.
-			paymentCaptured, err := a.newOutboxEvent(eventPaymentCaptured, order.OrderID, paymentCapturedPayload{
-				OrderID:     order.OrderID,
-				ChargeID:    charge.Result.String,
-				AmountCents: order.AmountCents,
-			})
-			if err != nil {
-				return err
-			}
-			if err := insertOutboxEvent(ctx, tx, paymentCaptured, now); err != nil {
-				return err
-			}
-			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-				return err
-			}
-			return a.markStepDone(ctx, tx, lease, step, "", now)
-		})
-		if err == nil {
-			// PaymentCaptured is committed: the relay need not wait for
-			// its next poll to tell the order service.
-			a.wake.relay.signal()
-		}
-		return err
+		// The last step: this completes the saga.
+		return sagaWroteEvent, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
 	default:
-		return fmt.Errorf("bug: unhandled saga step %q", step.Name)
+		return sagaLeft, fmt.Errorf("bug: unhandled saga step %q", run.step.Name)
 	}
 }
 
-// compensateStep undoes one done step. A local compensation commits with its
-// record, fenced by lease; the refund is idempotent at the processor, so a
-// crash between the refund and its record refunds once on resume.
-func (a *App) compensateStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
-	switch step.Name {
+// compensateStep undoes run's last done step in tx, after fenceSaga. A
+// local compensation commits with its record; the refund happened at the
+// processor (sagaCalls) under an idempotency key, so a crash between the
+// refund and its record refunds once on resume.
+func (a *App) compensateStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
+	switch run.step.Name {
 	case stepReserveStock:
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			now := a.now()
-			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-				return err
-			}
-			if err := settleReservations(ctx, tx, order.OrderID, stockReleased, now); err != nil {
-				return err
-			}
-			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-				return err
-			}
-			return a.markStepCompensated(ctx, tx, lease, step, now)
-		})
+		if err := settleReservations(ctx, tx, run.order.OrderID, stockReleased, now); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+			return err
+		}
+		return a.markStepCompensated(ctx, tx, run.lease, run.step, now)
 	case stepChargeCard:
-		if err := a.renewSagaLease(ctx, lease); err != nil {
-			return err
+		if !run.called {
+			return fmt.Errorf("bug: saga %s records a refund it did not ask for", run.saga.SagaID)
 		}
-		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
-			return err
-		}
-		if _, err := a.processor.refund(ctx, refundKey(saga.SagaID), step.Result.String, order.AmountCents); err != nil {
-			return err
-		}
-		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
-			return err
-		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
-			now := a.now()
-			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-				return err
-			}
-			return a.markStepCompensated(ctx, tx, lease, step, now)
-		})
+		return a.markStepCompensated(ctx, tx, run.lease, run.step, now)
 	case stepConfirm:
 		// confirm is the last step: once it is done the saga is completed
 		// and never compensates.
-		return fmt.Errorf("bug: saga %s compensating a confirmed order", saga.SagaID)
+		return fmt.Errorf("bug: saga %s compensating a confirmed order", run.saga.SagaID)
 	default:
-		return fmt.Errorf("bug: unhandled saga step %q", step.Name)
+		return fmt.Errorf("bug: unhandled saga step %q", run.step.Name)
 	}
 }
 
@@ -565,15 +773,6 @@ func (a *App) fenceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, now ti
 	return oneRowOr(updated, errSagaLeaseLost)
 }
 
-// renewSagaLease renews lease in a transaction of its own, before work that
-// runs outside any transaction (a processor call) or after a wait. Returns
-// errSagaLeaseLost if another worker claimed the saga meanwhile.
-func (a *App) renewSagaLease(ctx context.Context, lease sagaClaim) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
-		return a.fenceSaga(ctx, tx, lease, a.now())
-	})
-}
-
 // oneRowOr returns notMatched unless result changed exactly one row: the
 // way a fenced or conditional write finds out that its condition no longer
 // held.
@@ -589,11 +788,12 @@ func oneRowOr(result sql.Result, notMatched error) error {
 }
 
 // markStepDone records step as done and moves the saga to the next step (or
-// completes it), in the transaction of the step's effect, after fenceSaga.
-// If another worker recorded the step first it returns errStepNotPending,
-// and the effect rolls back with it; if the saga is no longer in progress
-// (another worker turned it to compensation) it returns errSagaLeaseLost:
-// a saga never moves back.
+// completes it, and releases it: a completed saga needs no lease), in the
+// transaction of the step's effect, after fenceSaga. If another worker
+// recorded the step first it returns errStepNotPending, and the effect
+// rolls back with it; if the saga is no longer in progress (another worker
+// turned it to compensation) it returns errSagaLeaseLost: a saga never
+// moves back.
 func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) error {
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_steps SET status = ?, attempts = attempts + 1, result = ?, done_at = ?
@@ -619,7 +819,13 @@ func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, ste
 	if err != nil {
 		return fmt.Errorf("advance saga: %w", err)
 	}
-	return oneRowOr(advanced, errSagaLeaseLost)
+	if err := oneRowOr(advanced, errSagaLeaseLost); err != nil {
+		return err
+	}
+	if status == sagaCompleted {
+		return releaseSaga(ctx, tx, lease)
+	}
+	return nil
 }
 
 // markStepCompensated records that step was undone, in the transaction of
@@ -647,86 +853,78 @@ func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, lease sagaCla
 	return oneRowOr(recorded, errSagaLeaseLost)
 }
 
-// failStep records that step failed for a business reason and turns the saga
-// to compensation. Both writes must match, under the lease: a worker that
-// read "pending" before a pause and fails the step now (the stock it wanted
-// was taken, by the very worker that took its saga over) must not turn a
-// saga that moved on meanwhile to compensation.
-func (a *App) failStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, cause error) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
-		now := a.now()
-		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-			return err
-		}
-		failed, err := tx.ExecContext(ctx, `
-			UPDATE saga_steps SET status = ?, attempts = attempts + 1, error = ?
-			WHERE saga_id = ? AND step_index = ? AND status = ?`,
-			stepFailed, cause.Error(), saga.SagaID, step.Index, stepPending)
-		if err != nil {
-			return fmt.Errorf("mark step %s failed: %w", step.Name, err)
-		}
-		if err := oneRowOr(failed, errSagaLeaseLost); err != nil {
-			return err
-		}
-		turned, err := tx.ExecContext(ctx, `
-			UPDATE saga_instances SET status = ?, failure_reason = ?, attempts = 0, updated_at = ?
-			WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-			sagaCompensating, cause.Error(), formatTime(now), saga.SagaID, sagaInProgress, lease.Token)
-		if err != nil {
-			return fmt.Errorf("start compensation: %w", err)
-		}
-		return oneRowOr(turned, errSagaLeaseLost)
-	})
-}
-
-// finishCompensation ends a saga whose done steps are all undone, and tells
-// the order service through the outbox that the order is cancelled. Fenced:
-// OrderCancelled is written only by the worker that holds the saga.
-func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga sagaRow) error {
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
-		now := a.now()
-		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-			return err
-		}
-		updated, err := tx.ExecContext(ctx, `
-			UPDATE saga_instances SET status = ?, updated_at = ?
-			WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-			sagaCompensated, formatTime(now), saga.SagaID, sagaCompensating, lease.Token)
-		if err != nil {
-			return fmt.Errorf("finish compensation: %w", err)
-		}
-		if err := oneRowOr(updated, errSagaLeaseLost); err != nil {
-			return err
-		}
-		orderCancelled, err := a.newOutboxEvent(eventOrderCancelled, saga.OrderID, orderCancelledPayload{
-			OrderID: saga.OrderID,
-			Reason:  saga.FailureReason.String,
-		})
-		if err != nil {
-			return err
-		}
-		return insertOutboxEvent(ctx, tx, orderCancelled, now)
-	})
-	if err == nil {
-		// OrderCancelled is committed: wake the relay.
-		a.wake.relay.signal()
+// failStep records in tx that step failed for a business reason and turns
+// the saga to compensation. Both writes must match, under the lease: a
+// worker that read "pending" before a pause and fails the step now (the
+// stock it wanted was taken, by the very worker that took its saga over)
+// must not turn a saga that moved on meanwhile to compensation.
+func (a *App) failStep(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, step sagaStepRow, cause error) error {
+	now := a.now()
+	if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
+		return err
 	}
-	return err
+	failed, err := tx.ExecContext(ctx, `
+		UPDATE saga_steps SET status = ?, attempts = attempts + 1, error = ?
+		WHERE saga_id = ? AND step_index = ? AND status = ?`,
+		stepFailed, cause.Error(), saga.SagaID, step.Index, stepPending)
+	if err != nil {
+		return fmt.Errorf("mark step %s failed: %w", step.Name, err)
+	}
+	if err := oneRowOr(failed, errSagaLeaseLost); err != nil {
+		return err
+	}
+	turned, err := tx.ExecContext(ctx, `
+		UPDATE saga_instances SET status = ?, failure_reason = ?, attempts = 0, updated_at = ?
+		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+		sagaCompensating, cause.Error(), formatTime(now), saga.SagaID, sagaInProgress, lease.Token)
+	if err != nil {
+		return fmt.Errorf("start compensation: %w", err)
+	}
+	return oneRowOr(turned, errSagaLeaseLost)
 }
 
-// scheduleRetry records a transient failure and releases the saga until its
-// next attempt. For a compensation, the maxCompensationAttempts-th failure
-// makes the saga compensation_failed instead: an operator must look. Fenced,
-// and only from the status the worker read: a stale worker's failure is not
-// recorded (errSagaLeaseLost).
-func (a *App) scheduleRetry(ctx context.Context, lease sagaClaim, saga sagaRow, cause error, compensating bool) error {
+// finishCompensation ends, in tx after fenceSaga, a saga whose done steps
+// are all undone, releases it, and tells the order service through the
+// outbox that the order is cancelled. Fenced: OrderCancelled is written
+// only by the worker that holds the saga.
+func (a *App) finishCompensation(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, now time.Time) error {
+	updated, err := tx.ExecContext(ctx, `
+		UPDATE saga_instances SET status = ?, updated_at = ?
+		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
+		sagaCompensated, formatTime(now), saga.SagaID, sagaCompensating, lease.Token)
+	if err != nil {
+		return fmt.Errorf("finish compensation: %w", err)
+	}
+	if err := oneRowOr(updated, errSagaLeaseLost); err != nil {
+		return err
+	}
+	// A compensated saga needs no lease.
+	if err := releaseSaga(ctx, tx, lease); err != nil {
+		return err
+	}
+	orderCancelled, err := a.newOutboxEvent(eventOrderCancelled, saga.OrderID, orderCancelledPayload{
+		OrderID: saga.OrderID,
+		Reason:  saga.FailureReason.String,
+	})
+	if err != nil {
+		return err
+	}
+	return insertOutboxEvent(ctx, tx, orderCancelled, now)
+}
+
+// scheduleRetry records in tx a transient failure and releases the saga
+// until its next attempt. For a compensation, the
+// maxCompensationAttempts-th failure makes the saga compensation_failed
+// instead: an operator must look. Fenced, and only from the status the
+// worker read: a stale worker's failure is not recorded (errSagaLeaseLost).
+func (a *App) scheduleRetry(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, cause error, compensating bool) error {
 	attempts := saga.Attempts + 1
 	status := saga.Status
 	if compensating && attempts >= maxCompensationAttempts {
 		status = sagaCompensationFailed
 	}
 	now := a.now()
-	updated, err := a.db.ExecContext(ctx, `
+	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances
 		SET status = ?, attempts = ?, last_error = ?, next_attempt_at = ?, updated_at = ?,
 		    locked_by = NULL, locked_until = NULL
@@ -739,12 +937,12 @@ func (a *App) scheduleRetry(ctx context.Context, lease sagaClaim, saga sagaRow, 
 	return oneRowOr(updated, errSagaLeaseLost)
 }
 
-// setSagaAside releases a saga that failed unexpectedly and makes it due
-// again in a minute, its status unchanged. Returns errSagaLeaseLost if
-// another worker holds it now.
-func (a *App) setSagaAside(ctx context.Context, lease sagaClaim, cause error) error {
+// setSagaAside releases, in tx, a saga that failed unexpectedly and makes
+// it due again in a minute, its status unchanged. Returns errSagaLeaseLost
+// if another worker holds it now.
+func (a *App) setSagaAside(ctx context.Context, tx *sql.Tx, lease sagaClaim, cause error) error {
 	now := a.now()
-	updated, err := a.db.ExecContext(ctx, `
+	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances
 		SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?, updated_at = ?,
 		    locked_by = NULL, locked_until = NULL
@@ -756,10 +954,10 @@ func (a *App) setSagaAside(ctx context.Context, lease sagaClaim, cause error) er
 	return oneRowOr(updated, errSagaLeaseLost)
 }
 
-// releaseSaga gives up lease on a terminal saga. A lease already taken over
-// is left alone.
-func (a *App) releaseSaga(ctx context.Context, lease sagaClaim) error {
-	_, err := a.db.ExecContext(ctx, `
+// releaseSaga gives up lease on a terminal saga, in tx. A lease already
+// taken over is left alone.
+func releaseSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim) error {
+	_, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL
 		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
 		lease.SagaID, lease.WorkerID, lease.Token)

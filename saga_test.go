@@ -234,6 +234,41 @@ func TestSaga(t *testing.T) {
 		}
 	})
 
+	// Ensure sagas claimed together run their steps in one transaction per
+	// round, and one saga's failing step undoes only its own writes: the
+	// hold on sku-2 that the short order took before it found sku-rare
+	// short is released, the other order's steps stand.
+	t.Run("FailingStepInARoundUndoesOnlyItsOwnWrites", func(t *testing.T) {
+		env := MustOpenApp(t)
+		paidID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 2, pmCardVisa)).Body, "order_id")
+		shortID := orderField(mustCreateOrder(t, env, "user-42", "k2",
+			`{"amount_cents":1200,"currency":"usd","items":[{"sku":"sku-2","qty":1},{"sku":"sku-rare","qty":2}],"payment_method":"pm_card_visa"}`).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "worker-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payment := env.app.consumers()[0]
+		if _, err := env.app.consumeOnce(ctx, payment, consumeBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		inProgress := env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE status = 'in_progress'`)
+		ran, err := env.app.sagaOnce(ctx, "worker-1", sagaBatchSize)
+		if err != nil || ran != 2 || inProgress != 2 {
+			t.Fatalf("got %d sagas run of %d, %v; want both in one pass", ran, inProgress, err)
+		}
+		if got := sagaSteps(t, env, paidID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
+			t.Fatalf("saga of the paid order: %s", got)
+		}
+		if got := sagaSteps(t, env, shortID); got != "compensated: reserve_stock=failed charge_card=pending confirm=pending" {
+			t.Fatalf("saga of the short order: %s", got)
+		}
+		if got := stockOf(t, env, "sku-2"); got != "1000/0/0" {
+			t.Fatalf("sku-2 stock %s, want 1000/0/0: the failed step's hold stayed", got)
+		}
+		if got := stockOf(t, env, "sku-1"); got != "998/0/2" {
+			t.Fatalf("sku-1 stock %s, want 998/0/2", got)
+		}
+	})
+
 	// Ensure a saga that fails unexpectedly is set aside and reported, and
 	// the others claimed with it still run.
 	t.Run("BrokenSagaDoesNotHoldUpTheOthers", func(t *testing.T) {

@@ -21,7 +21,7 @@ const (
 )
 
 // reserveStock holds every item of order, in tx. Returns errOutOfStock
-// (wrapped with the sku) if any item is short; the caller's transaction then
+// (wrapped with the sku) if any item is short; the caller's savepoint then
 // rolls back the holds already taken.
 func reserveStock(ctx context.Context, tx *sql.Tx, order orderRow, now time.Time) error {
 	for _, item := range order.Items {
