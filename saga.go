@@ -408,7 +408,7 @@ func refundKey(sagaID string) string {
 func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
 	switch step.Name {
 	case stepReserveStock:
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -441,7 +441,7 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
 			return err
 		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -453,7 +453,7 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 		if !ok || !charge.Result.Valid {
 			return fmt.Errorf("bug: saga %s confirms without a charge", saga.SagaID)
 		}
-		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -496,7 +496,7 @@ func (a *App) runStep(ctx context.Context, lease sagaClaim, saga sagaRow, step s
 func (a *App) compensateStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, steps []sagaStepRow, order orderRow) error {
 	switch step.Name {
 	case stepReserveStock:
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -522,7 +522,7 @@ func (a *App) compensateStep(ctx context.Context, lease sagaClaim, saga sagaRow,
 		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
 			return err
 		}
-		return withTx(ctx, a.db, func(tx *sql.Tx) error {
+		return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			now := a.now()
 			if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 				return err
@@ -569,7 +569,7 @@ func (a *App) fenceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, now ti
 // runs outside any transaction (a processor call) or after a wait. Returns
 // errSagaLeaseLost if another worker claimed the saga meanwhile.
 func (a *App) renewSagaLease(ctx context.Context, lease sagaClaim) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+	return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 		return a.fenceSaga(ctx, tx, lease, a.now())
 	})
 }
@@ -653,7 +653,7 @@ func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, lease sagaCla
 // was taken, by the very worker that took its saga over) must not turn a
 // saga that moved on meanwhile to compensation.
 func (a *App) failStep(ctx context.Context, lease sagaClaim, saga sagaRow, step sagaStepRow, cause error) error {
-	return withTx(ctx, a.db, func(tx *sql.Tx) error {
+	return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 		now := a.now()
 		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 			return err
@@ -683,7 +683,7 @@ func (a *App) failStep(ctx context.Context, lease sagaClaim, saga sagaRow, step 
 // the order service through the outbox that the order is cancelled. Fenced:
 // OrderCancelled is written only by the worker that holds the saga.
 func (a *App) finishCompensation(ctx context.Context, lease sagaClaim, saga sagaRow) error {
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 		now := a.now()
 		if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
 			return err
