@@ -91,6 +91,8 @@ type sagaClaim struct {
 	SagaID   string
 	WorkerID string
 	Token    int64
+	// ClaimedAt is when the claim was made, on the App's clock.
+	ClaimedAt time.Time
 }
 
 // sagaRow is a row of saga_instances.
@@ -241,7 +243,7 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 		}
 		defer rows.Close()
 		for rows.Next() {
-			lease := sagaClaim{WorkerID: workerID}
+			lease := sagaClaim{WorkerID: workerID, ClaimedAt: now}
 			if err := rows.Scan(&lease.SagaID, &lease.Token); err != nil {
 				return fmt.Errorf("scan saga id: %w", err)
 			}
@@ -288,18 +290,26 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 // over another worker's nor pull the saga back.
 func (a *App) runSaga(ctx context.Context, lease sagaClaim) error {
 	// A saga at the tail of a batch may have waited past the lease that
-	// claimed it: renew it, or find out it is gone, before any work.
-	if err := a.renewSagaLease(ctx, lease); err != nil {
-		return err
+	// claimed it: renew it, or find out it is gone, before any work. One
+	// claimed moments ago needs no renewal: its next write renews it.
+	if a.now().Sub(lease.ClaimedAt) >= a.leases.saga/2 {
+		if err := a.renewSagaLease(ctx, lease); err != nil {
+			return err
+		}
 	}
+	// What the steps use of the order (its items, amount, card) never
+	// changes: read it once, not at every step.
+	var order orderRow
 	for {
 		saga, steps, err := readSaga(ctx, a.db, lease.SagaID)
 		if err != nil {
 			return err
 		}
-		order, err := readOrder(ctx, a.db, saga.OrderID)
-		if err != nil {
-			return err
+		if order.OrderID != saga.OrderID {
+			order, err = readOrder(ctx, a.db, saga.OrderID)
+			if err != nil {
+				return err
+			}
 		}
 		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
 			return err
