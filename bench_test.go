@@ -483,17 +483,34 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
 // with pools, listeners and broker connections of their own, in this test
 // process) side by side, the clients spread over their APIs: scaling out.
+//
+// Every order buys the same SKU, so every saga's reservation updates one
+// stock row: a hot SKU, the worst case for row locks. On PostgreSQL the
+// -skus-16 runs spread the orders over 16 SKUs, as a shop's orders are:
+// the rest of the path without that one row.
 func BenchmarkEndToEnd(b *testing.B) {
-	type setup struct{ clients, processes int }
-	setups := []setup{{1, 1}, {8, 1}, {64, 1}}
+	type setup struct{ clients, processes, skus int }
+	setups := []setup{{1, 1, 1}, {8, 1, 1}, {64, 1, 1}}
 	if onPostgres() {
-		setups = append(setups, setup{8, 2}, setup{8, 3})
+		setups = append(setups, setup{8, 2, 1}, setup{8, 3, 1},
+			setup{8, 1, 16}, setup{8, 2, 16}, setup{8, 3, 16})
 	}
-	body := orderBody(5000, "sku-1", 1, pmCardVisa)
 	for _, run := range setups {
 		name := "clients-" + strconv.Itoa(run.clients)
 		if run.processes > 1 {
 			name += "-processes-" + strconv.Itoa(run.processes)
+		}
+		if run.skus > 1 {
+			name += "-skus-" + strconv.Itoa(run.skus)
+		}
+		// bodies[i%len(bodies)] is the i-th order: sku-1 alone, or a
+		// SKU of its own for each of run.skus.
+		bodies := []string{orderBody(5000, "sku-1", 1, pmCardVisa)}
+		if run.skus > 1 {
+			bodies = nil
+			for k := range run.skus {
+				bodies = append(bodies, orderBody(5000, "bench-sku-"+strconv.Itoa(k), 1, pmCardVisa))
+			}
 		}
 		b.Run(name, func(b *testing.B) {
 			ctx := context.Background()
@@ -512,6 +529,15 @@ func BenchmarkEndToEnd(b *testing.B) {
 			if _, err := apps[0].db.Exec(`UPDATE stock_items SET available = available + ?, stocked = stocked + ? WHERE sku = 'sku-1'`, b.N, b.N); err != nil {
 				b.Fatal(err)
 			}
+			if run.skus > 1 {
+				for k := range run.skus {
+					_, err := apps[0].db.Exec(`INSERT INTO stock_items (sku, available, reserved, sold, stocked) VALUES (?, ?, 0, 0, ?)`,
+						"bench-sku-"+strconv.Itoa(k), b.N, b.N)
+					if err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
 			useBenchNATS(b, apps...)
 			var servers []*httptest.Server
 			for _, app := range apps {
@@ -526,7 +552,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.ResetTimer()
 			runClients(b, run.clients, func(i int) error {
 				sent := time.Now()
-				status, answer, err := postOrder(client, servers[i%len(servers)].URL, "e2e-"+strconv.Itoa(i), body)
+				status, answer, err := postOrder(client, servers[i%len(servers)].URL, "e2e-"+strconv.Itoa(i), bodies[i%len(bodies)])
 				if err != nil {
 					return err
 				}

@@ -40,6 +40,16 @@ type dialect struct {
 	// it re-checks its conditions on the locked row. Under SERIALIZABLE, two
 	// relays scanning the same queue would keep failing each other.
 	claimTxOptions *sql.TxOptions
+	// fencedTxOptions begin a saga's transactions (withFencedTx).
+	//
+	// On PostgreSQL they run READ COMMITTED. The fencing UPDATE that opens
+	// each one already serializes the transactions of one saga, and a
+	// reservation's "UPDATE stock_items ... WHERE available >= ?" is
+	// re-checked on the row once its lock is granted, so no stock is sold
+	// twice. SERIALIZABLE added nothing to that but failures: two sagas
+	// reserving the same SKU at once, one of them with 40001, again and
+	// again while that SKU was hot.
+	fencedTxOptions *sql.TxOptions
 	// keyTxOptions and lockKey begin every transaction that claims an
 	// idempotency key (keyTx): createOrder's, and a refund's acquireKey.
 	// One discipline for every claim: a claim that took the lock and one
@@ -108,17 +118,18 @@ type dialect struct {
 // sqliteDialect is SQLite, the default.
 func sqliteDialect() *dialect {
 	return &dialect{
-		name:           "sqlite",
-		schema:         schemaSQL,
-		txOptions:      nil,
-		claimTxOptions: nil,
-		keyTxOptions:   nil,
-		lockKey:        "",
-		retryTx:        func(error) bool { return false },
-		skipLocked:     "",
-		readVersion:    `PRAGMA user_version`,
-		setVersion:     func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
-		withinADay:     func(a, b string) string { return fmt.Sprintf(`abs(julianday(%s) - julianday(%s)) < 1.0`, a, b) },
+		name:            "sqlite",
+		schema:          schemaSQL,
+		txOptions:       nil,
+		claimTxOptions:  nil,
+		fencedTxOptions: nil,
+		keyTxOptions:    nil,
+		lockKey:         "",
+		retryTx:         func(error) bool { return false },
+		skipLocked:      "",
+		readVersion:     `PRAGMA user_version`,
+		setVersion:      func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
+		withinADay:      func(a, b string) string { return fmt.Sprintf(`abs(julianday(%s) - julianday(%s)) < 1.0`, a, b) },
 		jsonField: func(column, field string) string {
 			return fmt.Sprintf(`json_extract(CAST(%s AS TEXT), '$.%s')`, column, field)
 		},
@@ -134,12 +145,13 @@ const postgresMigrationLock = 7365_4219
 // postgresDialect is PostgreSQL.
 func postgresDialect() *dialect {
 	return &dialect{
-		name:           "postgres",
-		schema:         schemaPostgresSQL,
-		txOptions:      &sql.TxOptions{Isolation: sql.LevelSerializable},
-		claimTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
-		keyTxOptions:   &sql.TxOptions{Isolation: sql.LevelReadCommitted},
-		lockKey:        `SELECT pg_advisory_xact_lock(hashtextextended(?, 0))`,
+		name:            "postgres",
+		schema:          schemaPostgresSQL,
+		txOptions:       &sql.TxOptions{Isolation: sql.LevelSerializable},
+		claimTxOptions:  &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		fencedTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		keyTxOptions:    &sql.TxOptions{Isolation: sql.LevelReadCommitted},
+		lockKey:         `SELECT pg_advisory_xact_lock(hashtextextended(?, 0))`,
 		retryTx: func(err error) bool {
 			code := postgresCode(err)
 			return code == pgSerializationFailure || code == pgDeadlockDetected

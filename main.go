@@ -439,9 +439,26 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 			return len(results), err
 		})
 	}
-	startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, func(ctx context.Context) (int, error) {
-		return app.sagaOnce(ctx, workerID, sagaBatchSize)
-	})
+	// On SQLite, one saga loop runs the sagas it claims one after another:
+	// there is one writer connection anyway, and `step` in a debugger meets
+	// one saga at a time. On PostgreSQL a saga spends its time waiting for
+	// round trips, so sagas run side by side: several loops, each claiming
+	// one saga at a time (SKIP LOCKED keeps them apart); a loop that found
+	// one wakes the next, since there may be more. (One loop working through
+	// a batch kept the sagas at its tail waiting: see BENCHMARKS.md.)
+	sagaLoops, sagaBatch := 1, sagaBatchSize
+	if dialectOf(app.db).name == "postgres" {
+		sagaLoops, sagaBatch = postgresSagaLoops, 1
+	}
+	for range sagaLoops {
+		startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, func(ctx context.Context) (int, error) {
+			n, err := app.sagaOnce(ctx, workerID, sagaBatch)
+			if n > 0 && sagaLoops > 1 {
+				app.wake.saga.signal()
+			}
+			return n, err
+		})
+	}
 	// The completer and cleanup look for what is left over (a refund whose
 	// request died, keys past their TTL): nothing to wake them for.
 	startLoop(ctx, wg, logger, "refund completer", time.Second, nil, func(ctx context.Context) (int, error) {

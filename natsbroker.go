@@ -55,8 +55,10 @@ type natsBroker struct {
 	ackWait time.Duration
 
 	mu sync.Mutex
-	// durables maps a subscriber to its durable consumers, one per subject.
-	durables map[string][]string
+	// durables maps a subscriber to its durable consumers, one per subject:
+	// the handles subscribe got, so that a fetch is one request (a pull),
+	// not two (looking the consumer up again first).
+	durables map[string][]jetstream.Consumer
 	// dropped counts, per message id, the publishes of this process that
 	// JetStream reported as duplicates.
 	dropped map[string]int
@@ -76,7 +78,7 @@ func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Durati
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	b := &natsBroker{conn: conn, js: js, stream: stream, prefix: strings.ToLower(stream), ackWait: ackWait,
-		durables: map[string][]string{}, dropped: map[string]int{}}
+		durables: map[string][]jetstream.Consumer{}, dropped: map[string]int{}}
 	_, err = js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:       stream,
 		Subjects:   []string{b.prefix + ".>"},
@@ -114,10 +116,10 @@ func (b *natsBroker) subject(eventType string) string {
 // updated in place to MaxDeliver -1 (JetStream allows that edit; the
 // consumer keeps its position and pending acks).
 func (b *natsBroker) subscribe(ctx context.Context, subscriber string, subjects ...string) error {
-	var durables []string
+	var durables []jetstream.Consumer
 	for _, subject := range subjects {
 		durable := subscriber + "_" + subject
-		_, err := b.js.CreateOrUpdateConsumer(ctx, b.stream, jetstream.ConsumerConfig{
+		consumer, err := b.js.CreateOrUpdateConsumer(ctx, b.stream, jetstream.ConsumerConfig{
 			Durable:       durable,
 			FilterSubject: b.subject(subject),
 			AckPolicy:     jetstream.AckExplicitPolicy,
@@ -130,7 +132,7 @@ func (b *natsBroker) subscribe(ctx context.Context, subscriber string, subjects 
 		if err != nil {
 			return fmt.Errorf("create consumer %s: %w", durable, err)
 		}
-		durables = append(durables, durable)
+		durables = append(durables, consumer)
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -204,14 +206,11 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 		return nil, fmt.Errorf("bug: fetch for %s, which never subscribed", subscriber)
 	}
 	var deliveries []delivery
-	for _, durable := range durables {
+	for _, consumer := range durables {
 		if len(deliveries) >= max {
 			break
 		}
-		consumer, err := b.js.Consumer(ctx, b.stream, durable)
-		if err != nil {
-			return nil, fmt.Errorf("consumer %s: %w", durable, err)
-		}
+		durable := consumer.CachedInfo().Name
 		batch, err := consumer.FetchNoWait(max - len(deliveries))
 		if err != nil {
 			return nil, fmt.Errorf("fetch from %s: %w", durable, err)

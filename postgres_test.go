@@ -12,7 +12,9 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -165,5 +167,146 @@ func TestDatabaseUnavailableIs503(t *testing.T) {
 		if recorder.Code != 503 || recorder.Header().Get("Retry-After") == "" {
 			t.Errorf("%v: got %d %s, want 503 with Retry-After", err, recorder.Code, recorder.Body)
 		}
+	}
+}
+
+// TestFencedTxIsolation checks which isolation level each transaction
+// helper runs at on PostgreSQL: a saga's fenced transactions READ
+// COMMITTED (their fencing UPDATE already serializes them; see
+// withFencedTx), everything else that withTx runs SERIALIZABLE.
+func TestFencedTxIsolation(t *testing.T) {
+	if !onPostgres() {
+		t.Skip("isolation levels are PostgreSQL's; SQLite runs one writer at a time")
+	}
+	env := MustOpenApp(t)
+	ctx := context.Background()
+	levelIn := func(run func(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error) string {
+		t.Helper()
+		var level string
+		err := run(ctx, env.app.db, func(tx *sql.Tx) error {
+			return tx.QueryRowContext(ctx, `SELECT current_setting('transaction_isolation')`).Scan(&level)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return level
+	}
+	if got := levelIn(withFencedTx); got != "read committed" {
+		t.Errorf("withFencedTx runs %q, want read committed", got)
+	}
+	if got := levelIn(withTx); got != "serializable" {
+		t.Errorf("withTx runs %q, want serializable", got)
+	}
+}
+
+// TestHotSKUUnderConcurrentSagas runs many sagas at once, from several
+// workers, for one SKU with less stock than orders: the stock is never
+// sold twice (available + reserved + sold stays stocked, the reserved
+// units are exactly the paid orders' items), every order ends paid or
+// cancelled, and no saga fails on our side. On PostgreSQL the
+// reservations run READ COMMITTED (withFencedTx); this is what shows they
+// still cannot oversell.
+func TestHotSKUUnderConcurrentSagas(t *testing.T) {
+	env := MustOpenApp(t)
+	ctx := context.Background()
+	const orders, stock, workers = 24, 10, 6
+	if _, err := env.app.db.ExecContext(ctx, `UPDATE stock_items SET available = ?, stocked = ? WHERE sku = 'sku-2'`, stock, stock); err != nil {
+		t.Fatal(err)
+	}
+	for i := range orders {
+		mustCreateOrder(t, env, "user-42", fmt.Sprintf("hot-%d", i), orderBody(5000, "sku-2", 1, pmCardVisa))
+	}
+	startSagas(t, env)
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				n, err := env.app.sagaOnce(ctx, fmt.Sprintf("worker-%d", w), 1)
+				if err != nil || n == 0 {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	env.drain(t)
+	if got := stockOf(t, env, "sku-2"); got != fmt.Sprintf("0/0/%d", stock) {
+		t.Errorf("sku-2 available/reserved/sold = %s, want 0/0/%d", got, stock)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'paid'`); got != stock {
+		t.Errorf("%d orders paid, want %d (one per unit)", got, stock)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'cancelled'`); got != orders-stock {
+		t.Errorf("%d orders cancelled, want %d", got, orders-stock)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM stock_reservations WHERE sku = 'sku-2' AND status = 'sold'`); got != stock {
+		t.Errorf("%d reservations sold, want %d", got, stock)
+	}
+}
+
+// TestPostgresRunsSagasSideBySide checks that one process runs its sagas
+// side by side on PostgreSQL (startWorkerLoops): two sagas wait for each
+// other before their processor calls, which one saga loop, running them
+// one after another, could never let happen.
+func TestPostgresRunsSagasSideBySide(t *testing.T) {
+	if !onPostgres() {
+		t.Skip("SQLite runs one saga loop per process")
+	}
+	target := testDatabase(t)
+	// waiting counts the sagas now waiting before their processor call;
+	// together closes when two are.
+	var waiting atomic.Int32
+	together := make(chan struct{})
+	var closeTogether sync.Once
+	fault := func(ctx context.Context, point faultPoint) error {
+		if point != faultBeforeProcessorCall {
+			return nil
+		}
+		defer waiting.Add(-1)
+		if waiting.Add(1) == 2 {
+			closeTogether.Do(func() { close(together) })
+		}
+		// Wait for the other saga, or give up: a lone saga loop never
+		// brings it here while this one waits.
+		select {
+		case <-together:
+			return nil
+		case <-time.After(wakeDeadline):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	app, err := openApp(context.Background(), target, nil, nil, fault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { app.db.Close() })
+	ts := serveInProcess(t, app, target, true)
+	watcher := watchFinal(t, target)
+	client := benchClient(2)
+	var wg sync.WaitGroup
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			createPaidOrder(t, client, ts.URL, watcher, fmt.Sprintf("side-by-side-%d", i))
+		}()
+	}
+	wg.Wait()
+	select {
+	case <-together:
+	default:
+		t.Fatal("the second saga reached the processor only after the first had given up waiting: sagas ran one after another")
 	}
 }

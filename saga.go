@@ -346,7 +346,7 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 	}
 	var nexts []sagaNext
 	var asides []error
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 		nexts, asides = make([]sagaNext, len(runs)), make([]error, len(runs))
 		for i, run := range runs {
 			switch {
@@ -468,7 +468,7 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 		}
 	}
 	if len(renewing) > 0 {
-		err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 			clear(lost)
 			now := a.now()
 			for _, i := range renewing {
