@@ -314,6 +314,26 @@ func runClients(b *testing.B, clients int, do func(i int) error) {
 	wg.Wait()
 }
 
+// runAtRate calls do(1), ..., do(b.N), each on a goroutine of its own,
+// started rate times a second on schedule, however long the earlier ones
+// take; it returns when all have returned.
+func runAtRate(b *testing.B, rate int, do func(i int) error) {
+	b.Helper()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for i := 1; i <= b.N; i++ {
+		time.Sleep(time.Until(start.Add(time.Duration(i-1) * time.Second / time.Duration(rate))))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := do(i); err != nil {
+				b.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
 // BenchmarkHTTP is fresh creates over loopback HTTP from 8 and 64 clients
 // at once, at each durability; full commits in groups, as serve does with
 // --durability=full.
@@ -483,20 +503,28 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
 // with pools, listeners and broker connections of their own, in this test
 // process) side by side, the clients spread over their APIs: scaling out.
+// rate-100 sends an order every 10 ms whatever the answers: the latency
+// of POST -> paid at a steady 100 orders/s.
 //
 // Every order buys the same SKU, so every saga's reservation updates one
 // stock row: a hot SKU, the worst case for row locks. On PostgreSQL the
 // -skus-16 runs spread the orders over 16 SKUs, as a shop's orders are:
 // the rest of the path without that one row.
 func BenchmarkEndToEnd(b *testing.B) {
-	type setup struct{ clients, processes, skus int }
-	setups := []setup{{1, 1, 1}, {8, 1, 1}, {64, 1, 1}}
+	// rate, if set, sends orders at that many a second whatever the
+	// answers (an open loop, as independent shoppers arrive), instead of
+	// clients that each wait for their answer before the next order.
+	type setup struct{ clients, processes, skus, rate int }
+	setups := []setup{{1, 1, 1, 0}, {8, 1, 1, 0}, {64, 1, 1, 0}, {0, 1, 1, 100}}
 	if onPostgres() {
-		setups = append(setups, setup{8, 2, 1}, setup{8, 3, 1},
-			setup{8, 1, 16}, setup{8, 2, 16}, setup{8, 3, 16})
+		setups = append(setups, setup{8, 2, 1, 0}, setup{8, 3, 1, 0},
+			setup{8, 1, 16, 0}, setup{8, 2, 16, 0}, setup{8, 3, 16, 0})
 	}
 	for _, run := range setups {
 		name := "clients-" + strconv.Itoa(run.clients)
+		if run.rate > 0 {
+			name = "rate-" + strconv.Itoa(run.rate)
+		}
 		if run.processes > 1 {
 			name += "-processes-" + strconv.Itoa(run.processes)
 		}
@@ -547,10 +575,14 @@ func BenchmarkEndToEnd(b *testing.B) {
 				servers = append(servers, serveInProcess(b, app, target, true))
 			}
 			watcher := watchFinal(b, target)
-			client := benchClient(run.clients)
+			client := benchClient(max(run.clients, 64))
 			latencies := make([]time.Duration, b.N)
 			b.ResetTimer()
-			runClients(b, run.clients, func(i int) error {
+			send := func(do func(i int) error) { runClients(b, run.clients, do) }
+			if run.rate > 0 {
+				send = func(do func(i int) error) { runAtRate(b, run.rate, do) }
+			}
+			send(func(i int) error {
 				sent := time.Now()
 				status, answer, err := postOrder(client, servers[i%len(servers)].URL, "e2e-"+strconv.Itoa(i), bodies[i%len(bodies)])
 				if err != nil {
