@@ -968,6 +968,17 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			return err
 		}
 	}
+	// Every client asks once more for each refund it was answered: the
+	// same answer while the key lives, a day from when it was settled.
+	for _, client := range s.clients {
+		for _, req := range client.requests {
+			if req.kind == "refund" && !undecided(req) {
+				if err := s.resend(ctx, req); err != nil {
+					return err
+				}
+			}
+		}
+	}
 	for round := 0; ; round++ {
 		if round == 50 {
 			return s.fail("the system did not settle after 50 rounds")
