@@ -87,7 +87,7 @@ func TestCheck(t *testing.T) {
 			t.Fatal(err)
 		}
 		var out strings.Builder
-		if err := inspect(context.Background(), env.app.db, &out, false); err != nil {
+		if err := inspect(context.Background(), env.app.db, &out, inspectOptions{view: inspectWide}); err != nil {
 			t.Fatal(err)
 		}
 		want := "failed after 10 attempts (broker down); 1 later events of " + paid + " wait behind it"

@@ -1,5 +1,6 @@
 // inspect prints the tables a reader wants to look at beside the article:
-// every layer's state, as aligned text or as JSON.
+// every layer's state, as aligned text or as JSON, for every order or for
+// one.
 
 package main
 
@@ -7,31 +8,203 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
 	"text/tabwriter"
 )
 
-// inspectedTables are shown by inspect, in the order of the workflow, each
-// with the columns worth reading (long ones left out of the text view).
-var inspectedTables = []struct {
-	name, query string
-}{
-	{"idempotency_keys", `SELECT user_id, idempotency_key, request_method, request_path, status, recovery_point, response_status, expires_at FROM idempotency_keys ORDER BY created_at`},
-	{"orders", `SELECT order_id, user_id, amount_cents, currency, payment_method, status, refunded_cents, cancel_reason FROM orders ORDER BY created_at`},
-	{"refunds", `SELECT refund_id, order_id, amount_cents, status, source, processor_refund_id FROM refunds ORDER BY created_at`},
-	{"outbox_events", `SELECT seq, event_id, event_type, aggregate_id, status, attempts, last_error FROM outbox_events ORDER BY seq`},
-	{"broker_messages", `SELECT seq, message_id, subject, duplicates FROM broker_messages ORDER BY seq`},
-	{"broker_deliveries", `SELECT d.subscriber, m.message_id, d.status, d.delivery_count FROM broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq ORDER BY d.message_seq, d.subscriber`},
-	{"inbox_messages", `SELECT consumer, message_id, status, delivery_count, error FROM inbox_messages ORDER BY processed_at, consumer`},
-	{"inbox_failures", `SELECT consumer, message_id, failures, last_error, last_failed_at FROM inbox_failures ORDER BY last_failed_at, consumer`},
-	{"saga_instances", `SELECT saga_id, order_id, status, current_step, attempts, failure_reason FROM saga_instances ORDER BY created_at`},
-	{"saga_steps", `SELECT saga_id, step_index, step_name, status, attempts, result FROM saga_steps ORDER BY saga_id, step_index`},
-	{"stock_items", `SELECT sku, available, reserved, sold, stocked FROM stock_items ORDER BY sku`},
-	{"stock_reservations", `SELECT order_id, sku, qty, status FROM stock_reservations ORDER BY created_at, sku`},
-	{"processor_charges", `SELECT charge_id, idempotency_key, order_id, amount_cents, status, refunded_cents, key_hits FROM processor_charges ORDER BY created_at`},
-	{"processor_refunds", `SELECT refund_id, idempotency_key, charge_id, amount_cents, key_hits FROM processor_refunds ORDER BY created_at`},
+// inspectedTable is one table inspect shows, with the columns of each view.
+// Every view reads the same rows: from, ofOrder and orderBy are shared.
+type inspectedTable struct {
+	name string
+	// columns are the columns of --json and, unless wide is set, of the
+	// text with --wide. The JSON's stay as they are: scripts read them.
+	columns string
+	// wide adds to the --wide text what a reader wants beside the columns.
+	wide string
+	// brief are the default text's columns: the ones a reader needs, so a
+	// line fits a terminal (ids are shortened too, see inspectBrief).
+	brief string
+	// whole is a column whose ids the default text keeps whole: the id a
+	// reader copies into trace or --order.
+	whole string
+	from  string
+	// ofOrder keeps only one order's rows (inspect --order); each ? in it
+	// is the order id.
+	ofOrder string
+	orderBy string
+}
+
+// eventsOfOrder selects the outbox events of one order: the broker's
+// messages and the inbox's rows carry the event id as their message id.
+const eventsOfOrder = `(SELECT event_id FROM outbox_events WHERE aggregate_id = ?)`
+
+// deliveredByBroker is how many times the embedded broker delivered an
+// inbox row's message to its consumer. The inbox applies a message once and
+// skips every later delivery, so the two counts side by side are the
+// redeliveries the inbox absorbed. On NATS the broker's tables stay empty
+// and this is NULL.
+const deliveredByBroker = `(SELECT d.delivery_count FROM broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq
+	WHERE m.message_id = i.message_id AND d.subscriber = i.consumer)`
+
+// inspectedTables are shown by inspect, in the order of the workflow.
+var inspectedTables = []inspectedTable{
+	{
+		name:    "idempotency_keys",
+		columns: `user_id, idempotency_key, request_method, request_path, status, recovery_point, response_status, expires_at`,
+		// status is completed exactly when recovery_point is finished.
+		brief: `idempotency_key, request_path, recovery_point, response_status AS response, expires_at`,
+		from:  `idempotency_keys`,
+		// The key the order was created under, and the keys of the
+		// requests on the order (its refunds), both scoped to its user.
+		ofOrder: `user_id = (SELECT user_id FROM orders WHERE order_id = ?)
+			AND (idempotency_key = (SELECT idempotency_key FROM orders WHERE order_id = ?)
+			     OR request_path LIKE '/api/orders/' || ? || '/%')`,
+		orderBy: `created_at`,
+	},
+	{
+		name:    "orders",
+		columns: `order_id, user_id, amount_cents, currency, payment_method, status, refunded_cents, cancel_reason`,
+		brief:   `order_id, amount_cents, payment_method, status, refunded_cents AS refunded, cancel_reason`,
+		whole:   "order_id",
+		from:    `orders`,
+		ofOrder: `order_id = ?`,
+		orderBy: `created_at`,
+	},
+	{
+		name:    "refunds",
+		columns: `refund_id, order_id, amount_cents, status, source, processor_refund_id`,
+		from:    `refunds`,
+		ofOrder: `order_id = ?`,
+		orderBy: `created_at`,
+	},
+	{
+		name:    "outbox_events",
+		columns: `seq, event_id, event_type, aggregate_id, status, attempts, last_error`,
+		from:    `outbox_events`,
+		ofOrder: `aggregate_id = ?`,
+		orderBy: `seq`,
+	},
+	{
+		name:    "broker_messages",
+		columns: `seq, message_id, subject, duplicates`,
+		from:    `broker_messages`,
+		ofOrder: `message_id IN ` + eventsOfOrder,
+		orderBy: `seq`,
+	},
+	{
+		name:    "broker_deliveries",
+		columns: `d.subscriber, m.message_id, d.status, d.delivery_count`,
+		from:    `broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq`,
+		ofOrder: `m.message_id IN ` + eventsOfOrder,
+		orderBy: `d.message_seq, d.subscriber`,
+	},
+	{
+		name:    "inbox_messages",
+		columns: `consumer, message_id, status, delivery_count, error`,
+		wide:    `consumer, message_id, status, delivery_count, duplicates, ` + deliveredByBroker + ` AS broker_delivery_count, error`,
+		brief:   `consumer, message_id, status, ` + deliveredByBroker + ` AS delivered, delivery_count AS applied_on, duplicates AS skipped, error`,
+		from:    `inbox_messages i`,
+		ofOrder: `message_id IN ` + eventsOfOrder,
+		orderBy: `processed_at, consumer`,
+	},
+	{
+		name:    "inbox_failures",
+		columns: `consumer, message_id, failures, last_error, last_failed_at`,
+		// The error last: a long one is cut, not the time.
+		brief:   `consumer, message_id, failures, last_failed_at, last_error`,
+		from:    `inbox_failures`,
+		ofOrder: `message_id IN ` + eventsOfOrder,
+		orderBy: `last_failed_at, consumer`,
+	},
+	{
+		name:    "saga_instances",
+		columns: `saga_id, order_id, status, current_step, attempts, failure_reason`,
+		from:    `saga_instances`,
+		ofOrder: `order_id = ?`,
+		orderBy: `created_at`,
+	},
+	{
+		name:    "saga_steps",
+		columns: `saga_id, step_index, step_name, status, attempts, result`,
+		from:    `saga_steps`,
+		ofOrder: `saga_id IN (SELECT saga_id FROM saga_instances WHERE order_id = ?)`,
+		orderBy: `saga_id, step_index`,
+	},
+	{
+		name:    "stock_items",
+		columns: `sku, available, reserved, sold, stocked`,
+		from:    `stock_items`,
+		ofOrder: `sku IN (SELECT sku FROM stock_reservations WHERE order_id = ?)`,
+		orderBy: `sku`,
+	},
+	{
+		name:    "stock_reservations",
+		columns: `order_id, sku, qty, status`,
+		from:    `stock_reservations`,
+		ofOrder: `order_id = ?`,
+		orderBy: `created_at, sku`,
+	},
+	{
+		name:    "processor_charges",
+		columns: `charge_id, idempotency_key, order_id, amount_cents, status, refunded_cents, key_hits`,
+		from:    `processor_charges`,
+		ofOrder: `order_id = ?`,
+		orderBy: `created_at`,
+	},
+	{
+		name:    "processor_refunds",
+		columns: `refund_id, idempotency_key, charge_id, amount_cents, key_hits`,
+		from:    `processor_refunds`,
+		ofOrder: `charge_id IN (SELECT charge_id FROM processor_charges WHERE order_id = ?)`,
+		orderBy: `created_at`,
+	},
+}
+
+// inspectView is which columns inspect shows.
+type inspectView int
+
+const (
+	inspectBrief inspectView = iota // the default text: fits 120 columns
+	inspectWide                     // --wide: every column, whole ids
+	inspectJSON                     // --json: the columns scripts read
+)
+
+// inspectOptions are inspect's flags.
+type inspectOptions struct {
+	view inspectView
+	// orderID, when set, keeps only that order's rows in every table.
+	orderID string
+}
+
+// query returns the table's query for view, with one order's rows only if
+// orderID is set, and its arguments.
+func (t inspectedTable) query(view inspectView, orderID string) (string, []any) {
+	columns := t.columns
+	switch view {
+	case inspectBrief:
+		if t.brief != "" {
+			columns = t.brief
+		} else if t.wide != "" {
+			columns = t.wide
+		}
+	case inspectWide:
+		if t.wide != "" {
+			columns = t.wide
+		}
+	case inspectJSON:
+	}
+	query := `SELECT ` + columns + ` FROM ` + t.from
+	var args []any
+	if orderID != "" {
+		query += ` WHERE ` + t.ofOrder
+		for range strings.Count(t.ofOrder, "?") {
+			args = append(args, orderID)
+		}
+	}
+	return query + ` ORDER BY ` + t.orderBy, args
 }
 
 // tableDump is one table's rows, for inspect --json.
@@ -42,8 +215,8 @@ type tableDump struct {
 
 // dumpTable reads a whole inspected table. inspect is for demo-sized files;
 // on a large one, pipe it through head.
-func dumpTable(ctx context.Context, db *sql.DB, query string) (tableDump, error) {
-	rows, err := db.QueryContext(ctx, query)
+func dumpTable(ctx context.Context, db *sql.DB, query string, args ...any) (tableDump, error) {
+	rows, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return tableDump{}, err
 	}
@@ -73,19 +246,49 @@ func dumpTable(ctx context.Context, db *sql.DB, query string) (tableDump, error)
 }
 
 // inspect writes every inspected table to w, as aligned text or JSON.
-func inspect(ctx context.Context, db *sql.DB, w io.Writer, asJSON bool) error {
+// Returns an error wrapping errNoSuchOrder if opts.orderID names no order.
+func inspect(ctx context.Context, db *sql.DB, w io.Writer, opts inspectOptions) error {
+	if opts.orderID != "" {
+		var one int
+		err := db.QueryRowContext(ctx, `SELECT 1 FROM orders WHERE order_id = ?`, opts.orderID).Scan(&one)
+		if errors.Is(err, sql.ErrNoRows) {
+			return fmt.Errorf("order %s: %w", opts.orderID, errNoSuchOrder)
+		}
+		if err != nil {
+			return fmt.Errorf("read order: %w", err)
+		}
+	}
 	dumps := map[string]tableDump{}
 	for _, table := range inspectedTables {
-		dump, err := dumpTable(ctx, db, table.query)
+		query, args := table.query(opts.view, opts.orderID)
+		dump, err := dumpTable(ctx, db, query, args...)
 		if err != nil {
 			return fmt.Errorf("read %s: %w", table.name, err)
 		}
 		dumps[table.name] = dump
 	}
-	if asJSON {
+	if opts.view == inspectJSON {
 		encoder := json.NewEncoder(w)
 		encoder.SetIndent("", "  ")
 		return encoder.Encode(dumps)
+	}
+	// The brief view shortens ids to their prefix and first eight hex
+	// digits, as trace does, and cuts what still does not fit (only a long
+	// error text, as the widest columns come last).
+	fit := func(line string) string {
+		if opts.view == inspectWide {
+			return line
+		}
+		return fitWidth(line)
+	}
+	cell := func(v any, whole bool) string {
+		if v == nil {
+			return "-"
+		}
+		if opts.view == inspectWide || whole {
+			return fmt.Sprint(v)
+		}
+		return shortIDs(fmt.Sprint(v))
 	}
 	for _, table := range inspectedTables {
 		dump := dumps[table.name]
@@ -94,21 +297,24 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, asJSON bool) error {
 			rowsWord = "row"
 		}
 		fmt.Fprintf(w, "%s (%d %s)\n", table.name, len(dump.Rows), rowsWord)
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		var aligned strings.Builder
+		tw := tabwriter.NewWriter(&aligned, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "  "+strings.Join(dump.Columns, "\t"))
 		for _, row := range dump.Rows {
 			cells := make([]string, len(row))
 			for i, v := range row {
-				if v == nil {
-					cells[i] = "-"
-				} else {
-					cells[i] = fmt.Sprint(v)
-				}
+				cells[i] = cell(v, dump.Columns[i] == table.whole)
 			}
 			fmt.Fprintln(tw, "  "+strings.Join(cells, "\t"))
 		}
 		if err := tw.Flush(); err != nil {
 			return err
+		}
+		for _, line := range strings.SplitAfter(aligned.String(), "\n") {
+			if line == "" {
+				continue
+			}
+			fmt.Fprintln(w, fit(strings.TrimSuffix(line, "\n")))
 		}
 		fmt.Fprintln(w)
 	}
@@ -123,7 +329,13 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, asJSON bool) error {
 			return err
 		}
 		for _, detail := range details {
-			fmt.Fprintf(w, "ATTENTION: %s\n", detail)
+			if opts.orderID != "" && !strings.Contains(detail, opts.orderID) {
+				continue
+			}
+			if opts.view != inspectWide {
+				detail = shortIDs(detail)
+			}
+			fmt.Fprintln(w, fit("ATTENTION: "+detail))
 		}
 	}
 	return nil

@@ -520,11 +520,11 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 
 // newInspectCommand builds "retrysafe inspect".
 func newInspectCommand() *cobra.Command {
-	var dbPath string
-	var asJSON bool
+	var dbPath, orderID string
+	var asJSON, wide bool
 	cmd := &cobra.Command{
 		Use:   "inspect",
-		Short: "Print every layer's tables (aligned text, or --json)",
+		Short: "Print every layer's tables (aligned text to 120 columns, --wide, or --json)",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			db, err := openReadOnlyDB(cmd.Context(), dbPath)
@@ -532,11 +532,24 @@ func newInspectCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
-			return inspect(cmd.Context(), db, cmd.OutOrStdout(), asJSON)
+			opts := inspectOptions{view: inspectBrief, orderID: orderID}
+			if wide {
+				opts.view = inspectWide
+			}
+			if asJSON {
+				opts.view = inspectJSON
+			}
+			err = inspect(cmd.Context(), db, cmd.OutOrStdout(), opts)
+			if errors.Is(err, errNoSuchOrder) {
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", orderID, redactURL(dbPath), redactURL(dbPath))
+			}
+			return err
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON instead of aligned text")
+	cmd.Flags().BoolVar(&wide, "wide", false, "print every column and whole ids, however wide the lines")
+	cmd.Flags().StringVar(&orderID, "order", "", "print only this order's rows (ORDER_ID as in the orders table)")
 	return cmd
 }
 
