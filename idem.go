@@ -57,7 +57,8 @@ type idempotentRequest struct {
 	CanonicalBody []byte
 }
 
-// fingerprint returns the hash stored as request_hash: method, path and
+// fingerprint returns the hash stored as request_hash (the article's
+// request_hash()): method, path and
 // canonical body, so the same request with its fields in another order or
 // with other whitespace is still the same request.
 func (r idempotentRequest) fingerprint() string {
@@ -319,7 +320,8 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 	return nil
 }
 
-// createOrder creates an order under an idempotency key. The key claim, the
+// createOrder creates an order under an idempotency key: the article's
+// handle() and create_order() with its work() in one. The key claim, the
 // order row, its OrderCreated outbox event and the stored response commit in
 // ONE transaction, because creating an order touches nothing but our own
 // database:

@@ -131,7 +131,8 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 	return result, err
 }
 
-// receiveIn applies a message at most once for consumerName, in tx. The
+// receiveIn applies a message at most once for consumerName, in tx: the
+// inbox half of the article's consume_order_created(). The
 // inbox row is inserted first, in the same transaction as the effect: if it
 // is already there, the message is a duplicate and apply does not run. Two
 // concurrent deliveries of one message serialize on the write lock; the

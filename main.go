@@ -417,7 +417,8 @@ const (
 	cleanupIdle = time.Hour
 )
 
-// startRelayLoop starts the relay loop. It exits when ctx is done.
+// startRelayLoop starts the relay loop (the article's run_relay()). It
+// exits when ctx is done.
 func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, func(ctx context.Context) (int, error) {
 		return app.relayOnce(ctx, workerID, relayBatchSize)

@@ -184,7 +184,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 }
 
 // relayOnce publishes one batch of pending outbox events to the broker and
-// marks them published. It returns how many it published.
+// marks them published: the article's sweep_once(). It returns how many it published.
 //
 // A crash after publishing and before marking leaves the events claimed; once
 // the lease passes, a relay publishes them again (the broker drops the copy by

@@ -130,7 +130,8 @@ type sagaStepView struct {
 	Status stepStatus `json:"status"`
 }
 
-// startFulfilment is the payment service's inbox handler for OrderCreated:
+// startFulfilment is the payment service's inbox handler for OrderCreated
+// (the effect half of the article's consume_order_created()):
 // it creates the saga and its steps, all pending, in the inbox transaction.
 // The steps themselves run later in sagaOnce, because charging a card is a
 // call to another system and must not happen inside a database transaction.
@@ -718,7 +719,8 @@ func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Ti
 	}
 }
 
-// compensateStep undoes run's last done step in tx, after fenceSaga. A
+// compensateStep undoes run's last done step in tx, after fenceSaga: one
+// step of the article's compensate(), which finishCompensation ends. A
 // local compensation commits with its record; the refund happened at the
 // processor (sagaCalls) under an idempotency key, so a crash between the
 // refund and its record refunds once on resume.
