@@ -10,6 +10,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -93,6 +94,10 @@ type App struct {
 	// group, if set, commits concurrent creates together (see
 	// groupcommit.go); on SQLite only.
 	group *groupCommitter
+	// log records each background action (a relay publish, an inbox
+	// outcome, a saga step) with its order id; serve, relay and worker
+	// give it theirs, and it discards everything otherwise.
+	log *slog.Logger
 	// wake wakes the loops when there is work for them (wakeup.go).
 	wake wakeups
 	// idle is how long the loops sleep when they find nothing and nobody
@@ -132,6 +137,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		leases:    leases,
 		group:     group,
 		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
+		log:       slog.New(slog.DiscardHandler),
 	}
 	var consumerNames []string
 	for _, c := range app.consumers() {

@@ -17,8 +17,10 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 )
 
@@ -343,6 +345,12 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 		return nil, errors.Join(err, a.nakFailedBatch(ctx, deliveries))
 	}
+	if a.log.Enabled(ctx, slog.LevelInfo) {
+		for i, d := range deliveries {
+			a.log.Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
+				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
+		}
+	}
 	for _, result := range results {
 		if result.Outcome == inboxApplied {
 			// What was applied may have started a saga (startFulfilment);
@@ -373,6 +381,16 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		errs = append(errs, err)
 	}
 	return results, errors.Join(errs...)
+}
+
+// payloadOrderID returns the order_id an event's payload names, for the
+// log; "" if it names none.
+func payloadOrderID(payload []byte) string {
+	var named struct {
+		OrderID string `json:"order_id"`
+	}
+	json.Unmarshal(payload, &named)
+	return named.OrderID
 }
 
 // nakFailedBatch naks every delivery of a batch whose transaction failed,

@@ -192,6 +192,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return err
 	}
 	defer closeBroker()
+	app.log = logger
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
@@ -281,6 +282,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	}
 	defer closeBroker()
 	var loops sync.WaitGroup
+	app.log = logger
 	start(ctx, &loops, app, workerName(role), logger)
 	startListener(ctx, &loops, app, dbPath, logger)
 	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))

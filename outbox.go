@@ -225,6 +225,9 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	if err := a.markPublished(ctx, relayID, events); err != nil {
 		return 0, err
 	}
+	for _, event := range events {
+		a.log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
+	}
 	return len(events), nil
 }
 

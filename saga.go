@@ -322,6 +322,23 @@ const (
 	sagaWroteEvent
 )
 
+// String names what became of a saga after its step, for the log.
+func (n sagaNext) String() string {
+	switch n {
+	case sagaAgain:
+		return "again"
+	case sagaStepDone:
+		return "step done"
+	case sagaCompensatedStep:
+		return "step compensated"
+	case sagaLeft:
+		return "left"
+	case sagaWroteEvent:
+		return "ended, event written"
+	}
+	return fmt.Sprintf("sagaNext(%d)", int(n))
+}
+
 // sagaRound reads every saga in runs, makes the round's processor calls,
 // then runs every saga's step in one transaction, and returns the sagas
 // that go on. Every write is fenced by its saga's lease (fenceSaga, in the
@@ -378,6 +395,10 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 	var again []*sagaRun
 	wroteEvent := false
 	for i, run := range runs {
+		if run.stepOK {
+			a.log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
+				"step", run.step.Name, "then", nexts[i].String())
+		}
 		if asides[i] != nil {
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
 		}
