@@ -88,6 +88,13 @@ const demoNATSAckWait = time.Second
 // file if empty), on NATS JetStream if brokerURL is set. pause, if set, is
 // called before each step.
 func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string)) error {
+	return runDemoStopping(ctx, out, dbPath, brokerURL, pause, nil)
+}
+
+// runDemoStopping is runDemo with stop, if set, called at every fault point
+// the story passes, on the goroutine that reached it: a test holds it there
+// as a breakpoint would.
+func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint)) error {
 	kept := dbPath != ""
 	if !kept {
 		dir, err := os.MkdirTemp("", "retrysafe-demo-")
@@ -129,6 +136,9 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 	// every run.
 	ids := newIDs(rand.NewChaCha8([32]byte{'r', 'e', 't', 'r', 'y', 's', 'a', 'f', 'e'}))
 	fault := func(ctx context.Context, point faultPoint) error {
+		if stop != nil {
+			stop(ctx, point)
+		}
 		if point == d.crashAt {
 			d.crashAt = ""
 			return errCrash
@@ -160,11 +170,21 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 		webhookSecret: []byte(devWebhookSecret),
 		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
+	// No timeouts, on the server or the client: the demo is stepped
+	// through in a debugger, and a request held at a breakpoint for a
+	// minute must still get its answer. (A timeout here would fail the
+	// demo, or worse, make a paused request look like a lost one.) Nothing
+	// in the story waits on the wall clock: it moves its own clock. serve
+	// keeps newHTTPServer's limits.
 	httpServer := newHTTPServer("", s.routes())
+	httpServer.ReadHeaderTimeout = 0
+	httpServer.ReadTimeout = 0
+	httpServer.WriteTimeout = 0
+	httpServer.IdleTimeout = 0
 	go httpServer.Serve(listener)
 	defer httpServer.Close()
 	d.base = "http://" + listener.Addr().String()
-	d.client = &http.Client{Timeout: 10 * time.Second}
+	d.client = &http.Client{}
 
 	if err := d.run(ctx); err != nil {
 		fmt.Fprintf(out, "\nDEMO FAILED: %v\n", err)
@@ -297,20 +317,28 @@ func (d *demo) consume(ctx context.Context, name string) ([]receiveResult, error
 
 // consumeRedelivery runs passes of the named consumer until a message comes.
 // The embedded broker has it at once (the demo moved its clock); NATS
-// JetStream redelivers after demoNATSAckWait of real time.
+// JetStream redelivers after demoNATSAckWait of real time. It gives up
+// after demoRedeliveryPolls empty passes, counted rather than timed, so
+// that a pass held at a breakpoint does not use up the wait.
 func (d *demo) consumeRedelivery(ctx context.Context, name string) ([]receiveResult, error) {
-	deadline := time.Now().Add(10 * demoNATSAckWait)
-	for {
+	for poll := 1; ; poll++ {
 		results, err := d.consume(ctx, name)
 		if err != nil || len(results) > 0 {
 			return results, err
 		}
-		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("%s got no redelivery within %s", name, 10*demoNATSAckWait)
+		if poll == demoRedeliveryPolls {
+			return nil, fmt.Errorf("%s got no redelivery in %d passes, %s apart", name, demoRedeliveryPolls, demoRedeliveryPoll)
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(demoRedeliveryPoll)
 	}
 }
+
+// demoRedeliveryPoll and demoRedeliveryPolls: consumeRedelivery waits up to
+// 100 × 100 ms, ten times demoNATSAckWait, for a redelivery.
+const (
+	demoRedeliveryPoll  = 100 * time.Millisecond
+	demoRedeliveryPolls = 100
+)
 
 // runSagas runs one saga pass and prints each saga's steps.
 func (d *demo) runSagas(ctx context.Context, orderID string) (sagaRow, []sagaStepRow, error) {

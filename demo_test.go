@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -34,6 +35,38 @@ func TestDemo(t *testing.T) {
 			t.Fatalf("demo failed: %v\n%s", err, out.String())
 		}
 	})
+}
+
+// Ensure the demo survives a debugger: a request held at a breakpoint in the
+// create path, longer than any timeout a server or client commonly has (the
+// demo's used to: 10 s on the client, 30 s to read and write on the server),
+// still gets its answer, and every check passes.
+func TestDemoHeldAtBreakpoint(t *testing.T) {
+	if testing.Short() {
+		t.Skip("holds a request for half a minute")
+	}
+	// It mostly sleeps: let the other tests run meanwhile.
+	t.Parallel()
+	const hold = 31 * time.Second
+	// held is set on the server's goroutine, read on this one.
+	var held atomic.Bool
+	stop := func(ctx context.Context, point faultPoint) {
+		// The first order's key is claimed, inside its transaction: where a
+		// breakpoint on the key lookup or the order insert stops.
+		if point == faultAfterKeyClaim && held.CompareAndSwap(false, true) {
+			time.Sleep(hold)
+		}
+	}
+	var out bytes.Buffer
+	if err := runDemoStopping(context.Background(), &out, "", "", nil, stop); err != nil {
+		t.Fatalf("demo held %s at %s failed: %v\n%s", hold, faultAfterKeyClaim, err, out.String())
+	}
+	if !held.Load() {
+		t.Fatalf("the demo never reached %s", faultAfterKeyClaim)
+	}
+	if !strings.Contains(out.String(), "All checks passed.") {
+		t.Fatalf("demo did not finish:\n%s", out.String())
+	}
 }
 
 // Example_demo pins what the client sees in the demo, and the closing table.
