@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -223,4 +225,31 @@ func TestCommands(t *testing.T) {
 			t.Fatalf("got %v\n%s", err, out)
 		}
 	})
+}
+
+// Ensure the README's breakpoint on the key lookup names the line that
+// does it: a line number drifts whenever idem.go is edited above it.
+func TestREADMEBreakpointLine(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := regexp.MustCompile("`break idem\\.go:(\\d+)`").FindSubmatch(readme)
+	if found == nil {
+		t.Fatal("README names no `break idem.go:N` breakpoint")
+	}
+	line, _ := strconv.Atoi(string(found[1]))
+	source, err := os.ReadFile("idem.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(string(source), "\n")
+	if line < 1 || line > len(lines) || !strings.Contains(lines[line-1], "key, err := lookupKey(") {
+		for i, l := range lines {
+			if strings.Contains(l, "key, err := lookupKey(") {
+				t.Fatalf("README says `break idem.go:%d`; the key lookup is on line %d", line, i+1)
+			}
+		}
+		t.Fatalf("README says `break idem.go:%d`, and idem.go has no key lookup line", line)
+	}
 }
