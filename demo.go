@@ -40,7 +40,7 @@ const demoAPIKey = "sk_test_demo"
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
 	var dbPath, brokerURL string
-	var step bool
+	var step, trace bool
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the scripted scenario: the same order arrives several times, the result happens once",
@@ -54,10 +54,15 @@ func newDemoCommand() *cobra.Command {
 					input.ReadString('\n')
 				}
 			}
-			return runDemo(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause)
+			var traceTo io.Writer
+			if trace {
+				traceTo = cmd.OutOrStdout()
+			}
+			return runDemoStopping(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause, nil, traceTo)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
+	cmd.Flags().BoolVar(&trace, "trace", false, "also log each background action (relay publish, inbox outcome, saga step) as it happens")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
 	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")
 	return cmd
@@ -88,13 +93,14 @@ const demoNATSAckWait = time.Second
 // file if empty), on NATS JetStream if brokerURL is set. pause, if set, is
 // called before each step.
 func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string)) error {
-	return runDemoStopping(ctx, out, dbPath, brokerURL, pause, nil)
+	return runDemoStopping(ctx, out, dbPath, brokerURL, pause, nil, nil)
 }
 
 // runDemoStopping is runDemo with stop, if set, called at every fault point
 // the story passes, on the goroutine that reached it: a test holds it there
-// as a breakpoint would.
-func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint)) error {
+// as a breakpoint would. trace, if set, gets a log line for each background
+// action (demo --trace), as serve logs them.
+func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint), trace io.Writer) error {
 	kept := dbPath != ""
 	if !kept {
 		dir, err := os.MkdirTemp("", "retrysafe-demo-")
@@ -150,6 +156,17 @@ func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL strin
 		return err
 	}
 	defer app.db.Close()
+	if trace != nil {
+		// Without the wall clock's time: the story runs on its own clock.
+		app.log = slog.New(slog.NewTextHandler(trace, &slog.HandlerOptions{
+			ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
+				if attr.Key == slog.TimeKey && len(groups) == 0 {
+					return slog.Attr{}
+				}
+				return attr
+			},
+		}))
+	}
 	d.app = app
 	d.ackWait = app.leases.ackWait
 	if broker != nil {

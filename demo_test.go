@@ -60,7 +60,7 @@ func TestDemoHeldAtBreakpoint(t *testing.T) {
 		}
 	}
 	var out bytes.Buffer
-	if err := runDemoStopping(context.Background(), &out, "", "", nil, stop); err != nil {
+	if err := runDemoStopping(context.Background(), &out, "", "", nil, stop, nil); err != nil {
 		t.Fatalf("demo held %s at %s failed: %v\n%s", hold, faultAfterKeyClaim, err, out.String())
 	}
 	if !held.Load() {

@@ -2,8 +2,10 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"log/slog"
+	"strings"
 	"testing"
 )
 
@@ -46,6 +48,29 @@ func TestBackgroundActionsAreLogged(t *testing.T) {
 	} {
 		if seen[want] == 0 {
 			t.Errorf("no %q line; got %v\n%s", want, seen, buf.String())
+		}
+	}
+}
+
+// Ensure demo --trace interleaves the background layers' lines with the
+// story, each naming its order.
+func TestDemoTrace(t *testing.T) {
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"demo", "--trace"}, strings.NewReader(""), &out, &out); err != nil {
+		t.Fatalf("demo --trace failed: %v\n%s", err, out.String())
+	}
+	for _, want := range []string{
+		`msg="relay published"`, `event_type=OrderCreated`,
+		`msg=inbox consumer=payment-svc`, `outcome=duplicate`,
+		`msg="saga step"`, `step=charge_card`, `then="step compensated"`,
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo --trace printed no %s", want)
+		}
+	}
+	for _, line := range strings.Split(out.String(), "\n") {
+		if strings.HasPrefix(line, "level=INFO") && (strings.Contains(line, "time=") || !strings.Contains(line, "order_id=ord_")) {
+			t.Errorf("a trace line with a wall-clock time or without an order id: %s", line)
 		}
 	}
 }

@@ -332,7 +332,7 @@ func (n sagaNext) String() string {
 	case sagaCompensatedStep:
 		return "step compensated"
 	case sagaLeft:
-		return "left"
+		return "left for now"
 	case sagaWroteEvent:
 		return "ended, event written"
 	}
