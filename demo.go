@@ -48,6 +48,13 @@ func newDemoCommand() *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var pause func(title string)
 			if step {
+				if dbPath == "" {
+					fmt.Fprintln(cmd.OutOrStdout(), "The demo pauses before each step. To watch the tables while it waits, run it with --db demo.db\n"+
+						"and, in another terminal: go run . inspect --db demo.db (or: go run . trace --db demo.db ORDER_ID).")
+				} else {
+					fmt.Fprintf(cmd.OutOrStdout(), "The demo pauses before each step. To watch the tables while it waits, run in another terminal:\n"+
+						"  go run . inspect --db %s        (or: go run . trace --db %s ORDER_ID)\n", dbPath, dbPath)
+				}
 				input := bufio.NewReader(cmd.InOrStdin())
 				pause = func(title string) {
 					fmt.Fprintf(cmd.OutOrStdout(), "\n[press Enter to run: %s] ", title)

@@ -253,3 +253,17 @@ func TestREADMEBreakpointLine(t *testing.T) {
 		t.Fatalf("README says `break idem.go:%d`, and idem.go has no key lookup line", line)
 	}
 }
+
+// Ensure demo --step says how to watch the tables while it waits, and
+// goes on at each Enter.
+func TestDemoStepSaysHowToWatch(t *testing.T) {
+	dbPath := filepath.Join(t.TempDir(), "demo.db")
+	var out bytes.Buffer
+	enters := strings.NewReader(strings.Repeat("\n", 100))
+	if err := run(context.Background(), []string{"demo", "--step", "--db", dbPath}, enters, &out, &out); err != nil {
+		t.Fatalf("demo --step failed: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "go run . inspect --db "+dbPath) || !strings.Contains(out.String(), "[press Enter to run:") {
+		t.Fatalf("demo --step does not say how to watch the tables, or does not pause:\n%s", out.String())
+	}
+}
