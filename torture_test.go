@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"fmt"
 	"os"
 	"os/exec"
@@ -187,16 +188,98 @@ func TestTortureScaleOut(t *testing.T) {
 			var table bytes.Buffer
 			printChaosReport(&table, report)
 			t.Logf("%s", table.String())
-			if err != nil {
-				t.Fatalf("%v (process logs in %s)", err, cfg.LogPath)
-			}
-			if report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders {
-				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs in %s",
-					report.Kills, report.Created, cfg.Kills, cfg.Orders, cfg.LogPath)
+			if err != nil || report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders {
+				// The run's directory goes with the test: keep its log,
+				// and say where each unfinished order's messages are.
+				kept := keepLog(t, cfg.LogPath)
+				t.Logf("what the unfinished orders left behind:\n%s", unfinishedOrders(cfg.DBPath))
+				if err != nil {
+					t.Fatalf("%v (process logs kept in %s)", err, kept)
+				}
+				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs kept in %s",
+					report.Kills, report.Created, cfg.Kills, cfg.Orders, kept)
 			}
 			if out, err := checkAfterChaos(binary, cfg.DBPath); err != nil {
 				t.Fatalf("retrysafe check: %v\n%s", err, out)
 			}
 		})
 	}
+}
+
+// keepLog copies a failed run's process log out of the test's directory,
+// which is removed when the test ends, and returns where it went.
+func keepLog(t *testing.T, path string) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("%s (could not read it: %v)", path, err)
+	}
+	kept := filepath.Join(os.TempDir(), fmt.Sprintf("retrysafe-%s-%d.log", strings.ReplaceAll(t.Name(), "/", "-"), time.Now().Unix()))
+	if err := os.WriteFile(kept, data, 0o644); err != nil {
+		return fmt.Sprintf("%s (could not keep it: %v)", path, err)
+	}
+	return kept
+}
+
+// unfinishedOrders describes each order still created, with its saga, its
+// outbox events and the inbox rows of its messages: enough to tell a
+// message never written, never published, never delivered or never
+// applied apart.
+func unfinishedOrders(target string) string {
+	ctx := context.Background()
+	db, err := openReadOnlyDB(ctx, target)
+	if err != nil {
+		return fmt.Sprintf("could not open %s: %v", target, err)
+	}
+	defer db.Close()
+	var out strings.Builder
+	lines := func(query string, args ...any) {
+		rows, err := db.QueryContext(ctx, query, args...)
+		if err != nil {
+			fmt.Fprintf(&out, "    %v\n", err)
+			return
+		}
+		defer rows.Close()
+		columns, _ := rows.Columns()
+		for rows.Next() {
+			values := make([]sql.NullString, len(columns))
+			pointers := make([]any, len(columns))
+			for i := range values {
+				pointers[i] = &values[i]
+			}
+			if err := rows.Scan(pointers...); err != nil {
+				fmt.Fprintf(&out, "    %v\n", err)
+				return
+			}
+			fmt.Fprint(&out, "   ")
+			for i, column := range columns {
+				fmt.Fprintf(&out, " %s=%s", column, values[i].String)
+			}
+			fmt.Fprintln(&out)
+		}
+	}
+	rows, err := db.QueryContext(ctx, `SELECT order_id FROM orders WHERE status = 'created' ORDER BY order_id LIMIT 5`)
+	if err != nil {
+		return err.Error()
+	}
+	var orders []string
+	for rows.Next() {
+		var orderID string
+		if rows.Scan(&orderID) == nil {
+			orders = append(orders, orderID)
+		}
+	}
+	rows.Close()
+	for _, orderID := range orders {
+		fmt.Fprintf(&out, "  order %s\n", orderID)
+		lines(`SELECT saga_id, status, current_step, attempts, last_error, updated_at FROM saga_instances WHERE order_id = ?`, orderID)
+		lines(`SELECT seq, event_id, event_type, status, attempts, last_error, created_at, published_at FROM outbox_events WHERE aggregate_id = ? ORDER BY seq`, orderID)
+		lines(`SELECT i.consumer, i.message_id, i.status, i.delivery_count, i.processed_at FROM inbox_messages i
+			JOIN outbox_events e ON e.event_id = i.message_id WHERE e.aggregate_id = ? ORDER BY i.processed_at`, orderID)
+		lines(`SELECT f.consumer, f.message_id, f.failures, f.last_error FROM inbox_failures f
+			JOIN outbox_events e ON e.event_id = f.message_id WHERE e.aggregate_id = ?`, orderID)
+	}
+	if len(orders) == 0 {
+		return "  (no order is still created)"
+	}
+	return out.String()
 }
