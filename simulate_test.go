@@ -83,13 +83,7 @@ func simulationDatabase(tb testing.TB) string {
 // caller got an error; once the outage ends the App works again.
 func TestSimulatedOutage(t *testing.T) {
 	ctx := context.Background()
-	network := &simDatabase{}
-	db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	defer readers.Close()
+	network, db, _ := openSimTestDatabase(t)
 	count := func() int {
 		t.Helper()
 		var n int
@@ -106,7 +100,7 @@ func TestSimulatedOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	err = withTx(ctx, db, func(tx *sql.Tx) error {
+	err := withTx(ctx, db, func(tx *sql.Tx) error {
 		if err := insert(tx, "cut-short"); err != nil {
 			return err
 		}
@@ -140,13 +134,7 @@ func TestSimulatedOutage(t *testing.T) {
 // asks for, under the same key, answers with the order that was made.
 func TestLostCommitAnswerIsLearnedByRetry(t *testing.T) {
 	ctx := context.Background()
-	network := &simDatabase{}
-	db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	defer readers.Close()
+	network, db, readers := openSimTestDatabase(t)
 	app := newApp(db, newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)).now, nil, nil)
 	app.readDB = readers
 	handler := (&server{app: app, apiKeys: map[string]string{keyUser42: "user-42"},
@@ -179,4 +167,20 @@ func TestLostCommitAnswerIsLearnedByRetry(t *testing.T) {
 		t.Fatalf("the retry got %d %s (replayed %q) with %d orders; want the replayed 201 of the one order the lost commit made",
 			retry.Code, retry.Body, retry.Header().Get("Idempotent-Replayed"), orders)
 	}
+}
+
+// openSimTestDatabase opens a new database through a simulated network,
+// closed when the test ends.
+func openSimTestDatabase(t *testing.T) (*simDatabase, *sql.DB, *sql.DB) {
+	t.Helper()
+	network := &simDatabase{}
+	db, readers, err := openSimDatabase(context.Background(), filepath.Join(t.TempDir(), "sim.db"), network)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		readers.Close()
+		db.Close()
+	})
+	return network, db, readers
 }
