@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"strconv"
 	"sync"
@@ -148,16 +149,7 @@ func TestWakeup(t *testing.T) {
 	// notifies (schema_postgres.sql, version 3) and the other process's
 	// listener wakes its relay.
 	t.Run("PostgresNotifyWakesAnotherProcess", func(t *testing.T) {
-		if !onPostgres() {
-			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
-		}
-		target := testDatabase(t)
-		api := openIdleApp(t, target)
-		workers := openIdleApp(t, target)
-		apiServer := serveInProcess(t, api, target, false)
-		serveInProcess(t, workers, target, true)
-		watcher := watchFinal(t, target)
-		client := benchClient(1)
+		_, apiServer, watcher, client := twoIdleProcesses(t)
 		// The first order may be found by the worker process's first passes;
 		// the second can only be found through a notification.
 		createPaidOrder(t, client, apiServer.URL, watcher, "notify-1")
@@ -168,16 +160,7 @@ func TestWakeup(t *testing.T) {
 	// connects again: the next order is still paid by the other process,
 	// idle for an hour.
 	t.Run("PostgresListenerReconnects", func(t *testing.T) {
-		if !onPostgres() {
-			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
-		}
-		target := testDatabase(t)
-		api := openIdleApp(t, target)
-		workers := openIdleApp(t, target)
-		apiServer := serveInProcess(t, api, target, false)
-		serveInProcess(t, workers, target, true)
-		watcher := watchFinal(t, target)
-		client := benchClient(1)
+		api, apiServer, watcher, client := twoIdleProcesses(t)
 		createPaidOrder(t, client, apiServer.URL, watcher, "reconnect-1")
 		// (Every listener of this database: only these tests run one.)
 		var cut int
@@ -239,4 +222,21 @@ func TestWakeup(t *testing.T) {
 		createPaidOrder(t, client, apiServer.URL, watcher, "nats-1")
 		createPaidOrder(t, client, apiServer.URL, watcher, "nats-2")
 	})
+}
+
+// twoIdleProcesses starts, on a new PostgreSQL database, one App that
+// serves the API without loops and another that runs the loops, both idle
+// for an hour unless woken; it returns the API's App and server, a watcher
+// for final orders and a client. It skips without PostgreSQL.
+func twoIdleProcesses(t *testing.T) (*App, *httptest.Server, *finalWatcher, *http.Client) {
+	t.Helper()
+	if !onPostgres() {
+		t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+	}
+	target := testDatabase(t)
+	api := openIdleApp(t, target)
+	workers := openIdleApp(t, target)
+	apiServer := serveInProcess(t, api, target, false)
+	serveInProcess(t, workers, target, true)
+	return api, apiServer, watchFinal(t, target), benchClient(1)
 }
