@@ -61,7 +61,7 @@ var errDeliveryLeaseLost = errors.New("the delivery was handed to another fetch 
 
 // messageBroker is what the relay and the consumers need from a broker. It
 // has two implementations: embeddedBroker (this file, the default) and
-// natsBroker (natsbroker.go, NATS JetStream).
+// natsBroker (infra_nats.go, NATS JetStream).
 type messageBroker interface {
 	// subscribe makes sure subscriber gets every message on subjects.
 	subscribe(ctx context.Context, subscriber string, subjects ...string) error

@@ -64,7 +64,7 @@ const (
 	// durabilityFull (synchronous=FULL): a commit has been fsynced to the
 	// disk. One fsync per commit caps a serial writer near what the disk
 	// allows (a few thousand per second); the API gathers concurrent
-	// requests into one commit (see groupcommit.go), as it does at NORMAL.
+	// requests into one commit (see infra_groupcommit.go), as it does at NORMAL.
 	durabilityFull durability = "full"
 )
 
@@ -80,7 +80,7 @@ func parseDurability(s string) (durability, error) {
 
 // openDB opens (creating if needed) the SQLite file at path with the
 // default durability and migrates it to the schema embedded in schema.sql.
-// A postgres:// URL opens PostgreSQL instead (see postgres.go).
+// A postgres:// URL opens PostgreSQL instead (see infra_postgres.go).
 func openDB(ctx context.Context, path string) (*sql.DB, error) {
 	return openDBWith(ctx, path, durabilityNormal)
 }
@@ -110,7 +110,7 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
-	// Each connection keeps its prepared statements (see statements.go);
+	// Each connection keeps its prepared statements (see infra_statements.go);
 	// closing db closes its readers too.
 	db := sql.OpenDB(sqliteConnector{Connector: connector, readers: readers})
 	// One connection per process. SQLite has one writer at a time anyway;
@@ -353,7 +353,7 @@ func migrate(ctx context.Context, db *sql.DB) error {
 }
 
 // withTx runs fn in one transaction (BEGIN IMMEDIATE on SQLite, see
-// openDB; SERIALIZABLE on PostgreSQL, see dialect.go) and commits if fn
+// openDB; SERIALIZABLE on PostgreSQL, see infra_dialect.go) and commits if fn
 // returns nil. Any error or panic rolls back everything fn wrote: that is
 // what lets several writes "happen together or not at all".
 //
@@ -366,7 +366,7 @@ func withTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
 }
 
 // withClaimTx is withTx for a claim: one UPDATE that leases rows to a relay
-// or worker with d.skipLocked (READ COMMITTED on PostgreSQL; see dialect.go).
+// or worker with d.skipLocked (READ COMMITTED on PostgreSQL; see infra_dialect.go).
 func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)
 	return runTx(ctx, db, d, d.claimTxOptions, fn)
@@ -388,10 +388,10 @@ func withFencedTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) er
 // keyTx is withTx for a transaction that claims the idempotency key
 // (userID, key): no other transaction can claim the same key before it
 // ends. On SQLite that is BEGIN IMMEDIATE; on PostgreSQL an advisory lock
-// on the key (see keyTxOptions in dialect.go). Every claim of a key goes
+// on the key (see keyTxOptions in infra_dialect.go). Every claim of a key goes
 // through it, whatever the endpoint, so two claims of one key always wait
 // for each other. (On SQLite a create's claim runs in a group commit's
-// transaction instead, see groupcommit.go: BEGIN IMMEDIATE all the same.)
+// transaction instead, see infra_groupcommit.go: BEGIN IMMEDIATE all the same.)
 // Returns fn's error, or the database's.
 func keyTx(ctx context.Context, db *sql.DB, userID, key string, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)

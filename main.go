@@ -410,7 +410,7 @@ func workerName(role string) string {
 }
 
 // Idle waits of the loops: how long a loop sleeps when a pass found nothing
-// and nobody woke it (see wakeup.go). Short enough that work no signal
+// and nobody woke it (see infra_wakeup.go). Short enough that work no signal
 // announced (written by a process on the same SQLite file, or while a
 // listener reconnected) still moves on soon.
 const (

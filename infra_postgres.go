@@ -1,7 +1,7 @@
 // This file connects to PostgreSQL, for teams that outgrow one SQLite file:
 // several API instances, relays and workers on several machines, one
 // database. The rest of the code does not know which database it talks to;
-// the few statements that must differ are in dialect.go.
+// the few statements that must differ are in infra_dialect.go.
 
 package main
 

@@ -1,6 +1,6 @@
 // This file is the one place where SQLite and PostgreSQL need different SQL.
 // Every other statement in retrysafe is written once, in the SQL both
-// accept, with "?" placeholders (postgres.go rebinds them to "$n"). Each
+// accept, with "?" placeholders (infra_postgres.go rebinds them to "$n"). Each
 // difference below says why it exists.
 
 package main

@@ -25,7 +25,7 @@
 //   - A fetch takes what is there and does not wait: the consumer loops
 //     sleep between polls, and are woken by an announcement that the relay
 //     publishes, on a plain subject outside the stream, once JetStream has
-//     stored a batch (see wakeup.go).
+//     stored a batch (see infra_wakeup.go).
 
 package main
 
