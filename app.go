@@ -92,13 +92,22 @@ type App struct {
 	// leases are the lease durations; see leaseTimes.
 	leases leaseTimes
 	// group, if set, commits concurrent creates together (see
-	// groupcommit.go); on SQLite only.
+	// infra_groupcommit.go); on SQLite only.
 	group *groupCommitter
+	// writeTx runs a transaction that claims an idempotency key: in a
+	// group commit (SQLite) or a transaction of its own (PostgreSQL, and
+	// the demo). Chosen once, in newApp, so that a debugger's step from a
+	// handler goes straight to the one that runs.
+	writeTx keyWriter
+	// without, if set, is the layer that demo --without replaced by the
+	// naive code the article warns against (demo_without.go); never set
+	// outside the demo.
+	without layer
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
 	log *slog.Logger
-	// wake wakes the loops when there is work for them (wakeup.go).
+	// wake wakes the loops when there is work for them (infra_wakeup.go).
 	wake wakeups
 	// idle is how long the loops sleep when they find nothing and nobody
 	// wakes them: the safety net for a signal that never came.
@@ -123,8 +132,10 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	}
 	leases := scaledLeaseTimes(1)
 	var group *groupCommitter
+	writeTx := ownTxWriter(db)
 	if dialectOf(db).name == "sqlite" {
 		group = newGroupCommitter(db)
+		writeTx = groupWriter(group)
 	}
 	app := &App{
 		db:        db,
@@ -136,6 +147,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		fault:     fault,
 		leases:    leases,
 		group:     group,
+		writeTx:   writeTx,
 		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
 		log:       slog.New(slog.DiscardHandler),
 	}

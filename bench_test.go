@@ -239,7 +239,7 @@ var servedApps atomic.Int64
 
 // serveInProcess serves app's API on a loopback port the way serve does
 // (on SQLite, app commits concurrent creates together whatever its
-// durability; see groupcommit.go), with the relay and worker loops when
+// durability; see infra_groupcommit.go), with the relay and worker loops when
 // workers is set, and a listener when target is a PostgreSQL database.
 // Everything stops when tb ends, before app's database closes.
 func serveInProcess(tb testing.TB, app *App, target string, workers bool) *httptest.Server {
@@ -793,7 +793,7 @@ func BenchmarkDurable(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			app := benchApp(b, durabilityFull)
 			if !grouped {
-				app.group = nil
+				app.withoutGroupCommit()
 			}
 			var next atomic.Int64
 			b.SetParallelism(clients / max(1, runtimeProcs()))

@@ -15,16 +15,10 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
+	"database/sql"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"math/rand/v2"
-	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -39,13 +33,20 @@ const demoAPIKey = "sk_test_demo"
 
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
-	var dbPath, brokerURL string
+	var dbPath, brokerURL, without string
 	var step, trace bool
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the scripted scenario: the same order arrives several times, the result happens once",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			opts := demoOptions{dbPath: dbPath, brokerURL: brokerURL}
+			if without != "" {
+				var err error
+				if opts.without, err = parseLayer(without); err != nil {
+					return err
+				}
+			}
 			var pause func(title string)
 			if step {
 				if dbPath == "" {
@@ -61,328 +62,19 @@ func newDemoCommand() *cobra.Command {
 					input.ReadString('\n')
 				}
 			}
-			var traceTo io.Writer
+			opts.pause = pause
 			if trace {
-				traceTo = cmd.OutOrStdout()
+				opts.trace = cmd.OutOrStdout()
 			}
-			return runDemoStopping(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause, nil, traceTo)
+			return runDemoWith(cmd.Context(), cmd.OutOrStdout(), opts)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&trace, "trace", false, "also log each background action (relay publish, inbox outcome, saga step) as it happens")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
+	cmd.Flags().StringVar(&without, "without", "", "replace one layer (idempotency, outbox, inbox or saga) by the naive code the article warns against, and watch the story break")
 	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")
 	return cmd
-}
-
-// demo is the state of one demo run.
-type demo struct {
-	app    *App
-	clock  *fakeClock
-	out    io.Writer
-	client *http.Client
-	base   string
-	// crashAt is the fault point at which the next pass dies, if set.
-	crashAt faultPoint
-	// ackWait is how long the broker waits for an ack before it delivers
-	// again.
-	ackWait time.Duration
-	pause   func(title string)
-	step    int
-}
-
-// demoNATSAckWait is the demo's AckWait on NATS JetStream: the clock the
-// demo moves is not the server's, so its lost ack is redelivered after this
-// much real time.
-const demoNATSAckWait = time.Second
-
-// runDemo runs the scenario against a new database at dbPath (a temporary
-// file if empty), on NATS JetStream if brokerURL is set. pause, if set, is
-// called before each step.
-func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string)) error {
-	return runDemoStopping(ctx, out, dbPath, brokerURL, pause, nil, nil)
-}
-
-// runDemoStopping is runDemo with stop, if set, called at every fault point
-// the story passes, on the goroutine that reached it: a test holds it there
-// as a breakpoint would. trace, if set, gets a log line for each background
-// action (demo --trace), as serve logs them.
-func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint), trace io.Writer) error {
-	kept := dbPath != ""
-	if !kept {
-		dir, err := os.MkdirTemp("", "retrysafe-demo-")
-		if err != nil {
-			return fmt.Errorf("create temporary directory: %w", err)
-		}
-		defer os.RemoveAll(dir)
-		dbPath = filepath.Join(dir, "demo.db")
-	} else if err := requireNewDatabase(ctx, dbPath); err != nil {
-		return err
-	}
-	// Connect to the broker before the database is created: a mistyped
-	// --broker must not leave a half-set-up database behind.
-	var broker *natsBroker
-	if brokerURL != "" {
-		if err := checkBrokerURL(brokerURL); err != nil {
-			return err
-		}
-		// A stream of this run's own, so that nothing from another run is
-		// delivered to it.
-		stream := fmt.Sprintf("RETRYSAFE_DEMO_%d", time.Now().UnixNano())
-		var err error
-		broker, err = openNATSBroker(ctx, brokerURL, stream, demoNATSAckWait)
-		if err != nil {
-			return err
-		}
-		// Deferred after close, so it runs before it, on the same
-		// connection.
-		defer broker.close()
-		defer func() {
-			if err := broker.deleteStream(context.WithoutCancel(ctx)); err != nil {
-				fmt.Fprintf(out, "could not delete the demo's NATS stream: %v\n", err)
-			}
-		}()
-	}
-
-	d := &demo{clock: newFakeClock(demoStart), out: out, pause: pause}
-	// A seeded source makes the ids, and so the whole output, the same on
-	// every run.
-	ids := newIDs(rand.NewChaCha8([32]byte{'r', 'e', 't', 'r', 'y', 's', 'a', 'f', 'e'}))
-	fault := func(ctx context.Context, point faultPoint) error {
-		if stop != nil {
-			stop(ctx, point)
-		}
-		if point == d.crashAt {
-			d.crashAt = ""
-			return errCrash
-		}
-		return nil
-	}
-	app, err := openApp(ctx, dbPath, d.clock.now, ids, fault)
-	if err != nil {
-		return err
-	}
-	defer app.db.Close()
-	if trace != nil {
-		// Without the wall clock's time: the story runs on its own clock.
-		app.log = slog.New(slog.NewTextHandler(trace, &slog.HandlerOptions{
-			ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
-				if attr.Key == slog.TimeKey && len(groups) == 0 {
-					return slog.Attr{}
-				}
-				return attr
-			},
-		}))
-	}
-	d.app = app
-	d.ackWait = app.leases.ackWait
-	if broker != nil {
-		app.broker = broker
-		d.ackWait = demoNATSAckWait
-		if err := app.subscribeConsumers(ctx); err != nil {
-			return err
-		}
-	}
-
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fmt.Errorf("listen on loopback: %w", err)
-	}
-	s := &server{
-		app:           app,
-		apiKeys:       map[string]string{demoAPIKey: devUserID},
-		webhookSecret: []byte(devWebhookSecret),
-		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
-	}
-	// No timeouts, on the server or the client: the demo is stepped
-	// through in a debugger, and a request held at a breakpoint for a
-	// minute must still get its answer. (A timeout here would fail the
-	// demo, or worse, make a paused request look like a lost one.) Nothing
-	// in the story waits on the wall clock: it moves its own clock. serve
-	// keeps newHTTPServer's limits.
-	httpServer := newHTTPServer("", s.routes())
-	httpServer.ReadHeaderTimeout = 0
-	httpServer.ReadTimeout = 0
-	httpServer.WriteTimeout = 0
-	httpServer.IdleTimeout = 0
-	go httpServer.Serve(listener)
-	defer httpServer.Close()
-	d.base = "http://" + listener.Addr().String()
-	d.client = &http.Client{}
-
-	if err := d.run(ctx); err != nil {
-		fmt.Fprintf(out, "\nDEMO FAILED: %v\n", err)
-		return err
-	}
-	if kept {
-		fmt.Fprintf(out, "\nThe database is in %s: try \"go run . inspect --db '%s'\".\n", redactURL(dbPath), redactURL(dbPath))
-	}
-	return nil
-}
-
-// title starts a step.
-func (d *demo) title(text string) {
-	d.step++
-	if d.pause != nil {
-		d.pause(text)
-	}
-	fmt.Fprintf(d.out, "\n== %d. %s ==\n", d.step, text)
-}
-
-// say narrates.
-func (d *demo) say(format string, args ...any) {
-	fmt.Fprintf(d.out, "   "+format+"\n", args...)
-}
-
-// check fails the demo unless ok, and prints what was checked.
-func (d *demo) check(ok bool, format string, args ...any) error {
-	what := fmt.Sprintf(format, args...)
-	if !ok {
-		return fmt.Errorf("check failed: %s", what)
-	}
-	fmt.Fprintf(d.out, "   ok: %s\n", what)
-	return nil
-}
-
-// count runs a COUNT(*) query.
-func (d *demo) count(ctx context.Context, query string, args ...any) int {
-	var n int
-	if err := d.app.db.QueryRowContext(ctx, query, args...).Scan(&n); err != nil {
-		panic(fmt.Sprintf("bug: demo query %q: %v", query, err))
-	}
-	return n
-}
-
-// httpResult is what the demo's client saw.
-type httpResult struct {
-	status   int
-	replayed bool
-	body     []byte
-}
-
-// post sends a POST as the demo's client and prints the exchange.
-func (d *demo) post(ctx context.Context, path, idempotencyKey, body string) (httpResult, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.base+path, strings.NewReader(body))
-	if err != nil {
-		return httpResult{}, err
-	}
-	req.Header.Set("Authorization", "Bearer "+demoAPIKey)
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Idempotency-Key", idempotencyKey)
-	fmt.Fprintf(d.out, "   POST %s  Idempotency-Key: %s\n   %s\n", path, idempotencyKey, body)
-	return d.do(req)
-}
-
-// get sends a GET as the demo's client and prints the exchange.
-func (d *demo) get(ctx context.Context, path string) (httpResult, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, d.base+path, nil)
-	if err != nil {
-		return httpResult{}, err
-	}
-	req.Header.Set("Authorization", "Bearer "+demoAPIKey)
-	fmt.Fprintf(d.out, "   GET %s\n", path)
-	return d.do(req)
-}
-
-// do sends req and prints the status line and the Idempotent-Replayed header.
-func (d *demo) do(req *http.Request) (httpResult, error) {
-	resp, err := d.client.Do(req)
-	if err != nil {
-		return httpResult{}, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return httpResult{}, err
-	}
-	replayed := resp.Header.Get("Idempotent-Replayed")
-	if replayed == "" {
-		replayed = "-"
-	}
-	fmt.Fprintf(d.out, "   -> %s  Idempotent-Replayed: %s\n", resp.Status, replayed)
-	return httpResult{status: resp.StatusCode, replayed: replayed == "true", body: body}, nil
-}
-
-// orderField reads one string field of a JSON order.
-func orderField(body []byte, field string) string {
-	var fields map[string]any
-	if err := json.Unmarshal(body, &fields); err != nil {
-		return ""
-	}
-	value, _ := fields[field].(string)
-	return value
-}
-
-// relay runs one relay pass as relayID and says what it did.
-func (d *demo) relay(ctx context.Context, relayID string) (int, error) {
-	published, err := d.app.relayOnce(ctx, relayID, relayBatchSize)
-	if err != nil {
-		return 0, err
-	}
-	d.say("relay %s published %d event(s)", relayID, published)
-	return published, nil
-}
-
-// consume runs one pass of the named consumer and says what the inbox did.
-// On an error it returns what the pass did before it.
-func (d *demo) consume(ctx context.Context, name string) ([]receiveResult, error) {
-	for _, c := range d.app.consumers() {
-		if c.name != name {
-			continue
-		}
-		results, err := d.app.consumeOnce(ctx, c, consumeBatchSize)
-		for _, result := range results {
-			d.say("%s: message %s -> %s", name, result.MessageID, result.Outcome)
-		}
-		return results, err
-	}
-	return nil, fmt.Errorf("bug: no consumer %s", name)
-}
-
-// consumeRedelivery runs passes of the named consumer until a message comes.
-// The embedded broker has it at once (the demo moved its clock); NATS
-// JetStream redelivers after demoNATSAckWait of real time. It gives up
-// after demoRedeliveryPolls empty passes, counted rather than timed, so
-// that a pass held at a breakpoint does not use up the wait.
-func (d *demo) consumeRedelivery(ctx context.Context, name string) ([]receiveResult, error) {
-	for poll := 1; ; poll++ {
-		results, err := d.consume(ctx, name)
-		if err != nil || len(results) > 0 {
-			return results, err
-		}
-		if poll == demoRedeliveryPolls {
-			return nil, fmt.Errorf("%s got no redelivery in %d passes, %s apart", name, demoRedeliveryPolls, demoRedeliveryPoll)
-		}
-		time.Sleep(demoRedeliveryPoll)
-	}
-}
-
-// demoRedeliveryPoll and demoRedeliveryPolls: consumeRedelivery waits up to
-// 100 × 100 ms, ten times demoNATSAckWait, for a redelivery.
-const (
-	demoRedeliveryPoll  = 100 * time.Millisecond
-	demoRedeliveryPolls = 100
-)
-
-// runSagas runs one saga pass and prints each saga's steps.
-func (d *demo) runSagas(ctx context.Context, orderID string) (sagaRow, []sagaStepRow, error) {
-	if _, err := d.app.sagaOnce(ctx, "worker-1", sagaBatchSize); err != nil {
-		return sagaRow{}, nil, err
-	}
-	var sagaID string
-	if err := d.app.db.QueryRowContext(ctx, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID).Scan(&sagaID); err != nil {
-		return sagaRow{}, nil, fmt.Errorf("find saga of %s: %w", orderID, err)
-	}
-	saga, steps, err := readSaga(ctx, d.app.db, sagaID)
-	if err != nil {
-		return sagaRow{}, nil, err
-	}
-	var parts []string
-	for _, step := range steps {
-		parts = append(parts, step.Name+"="+string(step.Status))
-	}
-	d.say("saga %s: %s", saga.Status, strings.Join(parts, " "))
-	return saga, steps, nil
 }
 
 // The first order's request, as the client sends it and as it retries it:
@@ -392,63 +84,133 @@ const (
 	demoOrderRetry     = `{ "payment_method": "pm_card_timeout", "items": [ {"qty": 2, "sku": "sku-1"} ], "currency": "usd", "amount_cents": 5000 }`
 	demoOrderOtherBody = `{"amount_cents":9900,"currency":"usd","items":[{"sku":"sku-1","qty":2}],"payment_method":"pm_card_timeout"}`
 	demoDeclinedBody   = `{"amount_cents":1200,"currency":"usd","items":[{"sku":"sku-2","qty":3}],"payment_method":"pm_card_chargeDeclined"}`
+	demoRaceBody       = `{"amount_cents":2500,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`
+	demoDroppedBody    = `{"amount_cents":1800,"currency":"usd","items":[{"sku":"sku-2","qty":1}],"payment_method":"pm_card_visa"}`
+	demoRefundBody     = `{"amount_cents":2000}`
 	demoKey            = "pay-req-user-42-cart-7"
 	demoDeclinedKey    = "pay-req-user-42-cart-8"
+	demoRaceKey        = "pay-req-user-42-cart-9"
+	demoDroppedKey     = "pay-req-user-42-cart-10"
 	demoRefundKey      = "refund-req-user-42-cart-7"
+	// demoDashboardRefund is the processor's key for a refund made in its
+	// dashboard, not through our API: only its webhook tells us.
+	demoDashboardRefund = "dashboard-refund-cart-7"
+	demoWebhookEventID  = "evt_processor_1"
 )
+
+// demoWait is how long the racing client's request is watched for an
+// answer while the first one holds the key: it must not get one.
+const demoWait = 200 * time.Millisecond
+
+// ordersOfKey counts the orders made under an idempotency key.
+func (d *demo) ordersOfKey(ctx context.Context, key string) int {
+	return d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ?`, key)
+}
+
+// orderOfKey returns the id of the first order made under key, if any.
+func (d *demo) orderOfKey(ctx context.Context, key string) string {
+	var orderID string
+	err := d.app.db.QueryRowContext(ctx, `SELECT order_id FROM orders WHERE idempotency_key = ? ORDER BY created_at, order_id LIMIT 1`, key).Scan(&orderID)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		panic(fmt.Sprintf("bug: demo query: %v", err))
+	}
+	return orderID
+}
 
 // run is the scenario.
 func (d *demo) run(ctx context.Context) error {
 	fmt.Fprintln(d.out, "retrysafe demo: the same order arrives several times; the business result happens once.")
+	fmt.Fprintln(d.out, "(ids are shortened to their first 8 hex digits)")
+	if err := d.retries(ctx); err != nil {
+		return err
+	}
+	orderID := d.orderOfKey(ctx, demoKey)
+	if err := d.relayCrash(ctx, orderID); err != nil {
+		return err
+	}
+	if err := d.lostAck(ctx, orderID); err != nil {
+		return err
+	}
+	if err := d.chargeTimeout(ctx, orderID); err != nil {
+		return err
+	}
+	if err := d.compensation(ctx); err != nil {
+		return err
+	}
+	if err := d.refund(ctx, orderID); err != nil {
+		return err
+	}
+	if err := d.race(ctx); err != nil {
+		return err
+	}
+	if err := d.droppedConnection(ctx); err != nil {
+		return err
+	}
+	if err := d.webhookTwice(ctx, orderID); err != nil {
+		return err
+	}
+	return d.expiredKey(ctx, orderID)
+}
 
-	// 1. The first request.
+// retries is the idempotency key at work: a request, its retry, and a key
+// reused for another request.
+func (d *demo) retries(ctx context.Context) error {
 	d.title("A first request creates the order")
 	first, err := d.post(ctx, "/api/orders", demoKey, demoOrderBody)
 	if err != nil {
 		return err
 	}
 	orderID := orderField(first.body, "order_id")
-	d.say("idempotency key: claimed, and the order, its OrderCreated event and this response committed in ONE transaction")
-	if err := d.check(first.status == 201 && orderID != "", "201 Created with order %s", orderID); err != nil {
+	events := d.count(ctx, `SELECT COUNT(*) FROM outbox_events WHERE aggregate_id = ? AND event_type = ?`, orderID, eventOrderCreated)
+	keys := d.count(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = ? AND response_status = 201`, demoKey)
+	err = d.check(first.status == 201 && orderID != "" && events == 1 && keys == 1, "201 Created, order "+shortID(orderID)+"; its OrderCreated event and the key's answer are stored",
+		fmt.Sprintf("%s; %d OrderCreated event(s) in the outbox, %d stored answer(s)", first.seen(), events, keys),
+		"idempotency key: claimed, and the order, its OrderCreated event and this response committed in ONE transaction")
+	if err != nil {
 		return err
 	}
 
-	// 2. The retry.
 	d.title("The network hiccups; the client retries with the same key")
 	retry, err := d.post(ctx, "/api/orders", demoKey, demoOrderRetry)
 	if err != nil {
 		return err
 	}
-	d.say("idempotency key: same request (fields reordered, spacing changed: same canonical body), so the stored response is replayed")
-	if err := d.check(retry.status == 201 && retry.replayed && bytes.Equal(retry.body, first.body), "replayed the first response byte for byte"); err != nil {
+	err = d.check(retry.status == 201 && retry.replayed && bytes.Equal(retry.body, first.body), "replayed the first response byte for byte", retry.seen(),
+		"idempotency key: the same request (fields reordered, spacing changed: the same canonical body), so the stored response was replayed")
+	if err != nil {
 		return err
 	}
-	if err := d.check(d.count(ctx, `SELECT COUNT(*) FROM orders`) == 1 && d.count(ctx, `SELECT COUNT(*) FROM outbox_events`) == 1,
-		"still 1 order and 1 outbox event: prevented a duplicate order"); err != nil {
+	orders := d.ordersOfKey(ctx, demoKey)
+	events = d.count(ctx, `SELECT COUNT(*) FROM outbox_events`)
+	err = d.check(orders == 1 && events == 1, "still 1 order and 1 outbox event: prevented a duplicate order",
+		fmt.Sprintf("%d orders under %s, %d outbox events", orders, demoKey, events))
+	if err != nil {
 		return err
 	}
 
-	// 3. Reuse with another body.
 	d.title("A buggy client reuses the key for a different order")
 	reused, err := d.post(ctx, "/api/orders", demoKey, demoOrderOtherBody)
 	if err != nil {
 		return err
 	}
-	d.say("idempotency key: the fingerprint differs, so the key is refused instead of replaying an answer to another question")
-	if err := d.check(reused.status == 422 && strings.Contains(string(reused.body), string(problemKeyReused)),
-		"422 %s, and still 1 order", problemKeyReused); err != nil {
-		return err
-	}
+	orders = d.ordersOfKey(ctx, demoKey)
+	return d.check(reused.status == 422 && strings.Contains(string(reused.body), string(problemKeyReused)) && orders == 1,
+		fmt.Sprintf("422 %s, and still 1 order", problemKeyReused), fmt.Sprintf("%s; %d orders under the key", reused.seen(), orders),
+		"idempotency key: the fingerprint differs, so the key was refused instead of replaying an answer to another question")
+}
 
-	// 4. The relay publishes, crashes before marking, and republishes.
+// relayCrash is the outbox at work: the relay dies between publishing and
+// marking, and the next relay publishes the same event again.
+func (d *demo) relayCrash(ctx context.Context, orderID string) error {
 	d.title("The relay publishes OrderCreated, then crashes before marking it published")
 	d.crashAt = faultAfterPublish
-	_, err = d.app.relayOnce(ctx, "relay-1", relayBatchSize)
-	if err := d.check(errors.Is(err, errCrash), "relay-1 died after publishing (%v)", err); err != nil {
+	_, err := d.app.relayOnce(ctx, "relay-1", relayBatchSize)
+	d.crashAt = ""
+	if err := d.check(errors.Is(err, errCrash), "relay-1 died after publishing", fmt.Sprintf("relay-1 returned %v", err)); err != nil {
 		return err
 	}
-	if err := d.check(d.count(ctx, `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`) == 1,
-		"the outbox still says pending: the event is not lost"); err != nil {
+	pending := d.count(ctx, `SELECT COUNT(*) FROM outbox_events WHERE aggregate_id = ? AND status = 'pending'`, orderID)
+	if err := d.check(pending == 1, "the outbox still says pending: the event is not lost", fmt.Sprintf("%d pending events of the order", pending)); err != nil {
 		return err
 	}
 	d.clock.advance(relayLease + time.Second)
@@ -457,69 +219,88 @@ func (d *demo) run(ctx context.Context) error {
 		return err
 	}
 	var eventID string
-	if err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID).Scan(&eventID); err != nil {
+	err = d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID).Scan(&eventID)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return fmt.Errorf("read the OrderCreated event id: %w", err)
 	}
 	stored, dropped, err := d.app.broker.held(ctx, eventID)
 	if err != nil {
 		return err
 	}
-	d.say("outbox: published again with the same event_id as message id; the broker dropped the copy")
-	if err := d.check(stored == 1 && dropped == 1,
-		"1 message in the broker, 1 duplicate publish absorbed"); err != nil {
-		return err
-	}
+	return d.check(stored == 1 && dropped == 1, "1 message in the broker, 1 duplicate publish absorbed",
+		fmt.Sprintf("the broker holds %d message(s) with the event's id and dropped %d", stored, dropped),
+		"outbox: published again with the same event_id as message id; the broker dropped the copy")
+}
 
-	// 5. The ack is lost; the broker redelivers; the inbox skips.
+// lostAck is the inbox at work: the consumer applies, dies before its ack,
+// and the redelivery is skipped.
+func (d *demo) lostAck(ctx context.Context, orderID string) error {
 	d.title("The payment service consumes OrderCreated, and dies before its ack reaches the broker")
 	d.crashAt = faultAfterEffect
 	applied, err := d.consume(ctx, paymentServiceConsumer)
-	if err := d.check(errors.Is(err, errCrash) && len(applied) == 1 && applied[0].Outcome == inboxApplied,
-		"the saga was started and the message recorded in the inbox, in one transaction; no ack was sent (%v)", err); err != nil {
+	d.crashAt = ""
+	err = d.check(errors.Is(err, errCrash) && len(applied) == 1 && applied[0].Outcome == inboxApplied,
+		"the saga was started and the message recorded in the inbox, in one transaction; no ack was sent",
+		fmt.Sprintf("%d message(s) handled, error %v", len(applied), err))
+	if err != nil {
 		return err
 	}
 	d.clock.advance(d.ackWait + time.Second)
-	d.say("%s later the broker has had no ack, so it delivers %s again", d.ackWait+time.Second, eventID)
+	d.say("%s later the broker has had no ack, so it delivers the message again", d.ackWait+time.Second)
 	again, err := d.consumeRedelivery(ctx, paymentServiceConsumer)
 	if err != nil {
 		return err
 	}
-	d.say("inbox: (payment-svc, %s) is already recorded, so the effect is skipped and the message acked", eventID)
-	if err := d.check(len(again) == 1 && again[0].Outcome == inboxDuplicate && again[0].MessageID == eventID &&
-		d.count(ctx, `SELECT COUNT(*) FROM saga_instances`) == 1,
-		"message id = outbox event_id; 1 saga started, not 2"); err != nil {
-		return err
+	var eventID string
+	err = d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ? AND event_type = ?`, orderID, eventOrderCreated).Scan(&eventID)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("read the OrderCreated event id: %w", err)
 	}
+	sagas := d.count(ctx, `SELECT COUNT(*) FROM saga_instances WHERE order_id = ?`, orderID)
+	outcomes := make([]string, len(again))
+	for i, result := range again {
+		outcomes[i] = string(result.Outcome)
+	}
+	return d.check(len(again) == 1 && again[0].Outcome == inboxDuplicate && again[0].MessageID == eventID && sagas == 1,
+		"message id = outbox event_id; 1 saga started, not 2",
+		fmt.Sprintf("the redelivery was %s; %d saga(s) for the order", strings.Join(outcomes, ", "), sagas),
+		fmt.Sprintf("inbox: (payment-svc, %s) was already recorded, so the effect was skipped and the message acked", shortID(eventID)))
+}
 
-	// 6. The saga: reserve, charge times out, retry with the same key.
+// chargeTimeout is the saga at work: the charge's answer is lost, and the
+// retry with the same key finds the first charge.
+func (d *demo) chargeTimeout(ctx context.Context, orderID string) error {
 	d.title("The saga reserves stock, and the card charge times out")
 	saga, _, err := d.runSagas(ctx, orderID)
 	if err != nil {
 		return err
 	}
-	d.say("processor: charged the card, then the response was lost; the saga cannot know, so it will retry")
-	if err := d.check(saga.Status == sagaInProgress && d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, orderID) == 1,
-		"the charge exists at the processor, the saga is waiting to retry charge_card"); err != nil {
+	charges := d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, orderID)
+	err = d.check(saga.Status == sagaInProgress && charges == 1, "the charge exists at the processor, the saga is waiting to retry charge_card",
+		fmt.Sprintf("saga %s, %d charge(s) at the processor", saga.Status, charges),
+		"processor: charged the card, then the response was lost; the saga cannot know, so it will retry")
+	if err != nil {
 		return err
 	}
 	d.clock.advance(2 * time.Second)
-	d.say("2s later the saga retries charge_card with the same idempotency key %s", chargeKey(saga.SagaID))
+	d.say("2s later the saga retries charge_card with the same idempotency key %s", shortIDs(chargeKey(saga.SagaID)))
 	saga, _, err = d.runSagas(ctx, orderID)
 	if err != nil {
 		return err
 	}
 	var keyHits int
-	if err := d.app.db.QueryRowContext(ctx, `SELECT key_hits FROM processor_charges WHERE order_id = ?`, orderID).Scan(&keyHits); err != nil {
+	err = d.app.db.QueryRowContext(ctx, `SELECT COALESCE(SUM(key_hits), 0) FROM processor_charges WHERE order_id = ?`, orderID).Scan(&keyHits)
+	if err != nil {
 		return fmt.Errorf("read processor key hits: %w", err)
 	}
-	d.say("processor: the key matched the first charge, so it answered with it instead of charging again")
-	if err := d.check(saga.Status == sagaCompleted && keyHits == 1 &&
-		d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, orderID) == 1,
-		"saga completed, 1 charge at the processor: prevented a double charge"); err != nil {
+	charges = d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, orderID)
+	err = d.check(saga.Status == sagaCompleted && keyHits == 1 && charges == 1, "saga completed, 1 charge at the processor: prevented a double charge",
+		fmt.Sprintf("saga %s, %d charge(s), the key matched %d time(s)", saga.Status, charges, keyHits),
+		"processor: the key matched the first charge, so it answered with it instead of charging again")
+	if err != nil {
 		return err
 	}
 
-	// 7. PaymentCaptured reaches the order service.
 	d.title("PaymentCaptured goes out through the outbox; the order service marks the order paid")
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
 		return err
@@ -531,18 +312,20 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := d.check(orderField(paid.body, "status") == string(orderPaid), "order %s is paid", orderID); err != nil {
-		return err
-	}
+	status := orderField(paid.body, "status")
+	return d.check(status == string(orderPaid), "order "+shortID(orderID)+" is paid", "the order is "+status)
+}
 
-	// 8. The declined card: compensation.
+// compensation is the saga's other half: a declined card undoes the steps
+// that ran.
+func (d *demo) compensation(ctx context.Context) error {
 	d.title("A second order with a declined card is compensated")
 	declined, err := d.post(ctx, "/api/orders", demoDeclinedKey, demoDeclinedBody)
 	if err != nil {
 		return err
 	}
 	declinedID := orderField(declined.body, "order_id")
-	availableBefore := d.count(ctx, `SELECT available + reserved FROM stock_items WHERE sku = 'sku-2'`)
+	stocked := d.count(ctx, `SELECT available + reserved FROM stock_items WHERE sku = 'sku-2'`)
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
 		return err
 	}
@@ -553,14 +336,18 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	d.say("saga: charge_card failed (%s); only reserve_stock had run, so only it was undone", saga.FailureReason.String)
-	if err := d.check(saga.Status == sagaCompensated && steps[0].Status == stepCompensated && steps[1].Status == stepFailed && steps[2].Status == stepPending,
-		"reserve_stock compensated, charge_card failed, confirm never ran"); err != nil {
+	err = d.check(saga.Status == sagaCompensated && len(steps) == 3 &&
+		steps[0].Status == stepCompensated && steps[1].Status == stepFailed && steps[2].Status == stepPending,
+		"reserve_stock compensated, charge_card failed, confirm never ran", fmt.Sprintf("saga %s: %s", saga.Status, stepsLine(steps)),
+		fmt.Sprintf("saga: charge_card failed (%s); only reserve_stock had run, so only it was undone", saga.FailureReason.String))
+	if err != nil {
 		return err
 	}
-	if err := d.check(d.count(ctx, `SELECT available FROM stock_items WHERE sku = 'sku-2'`) == availableBefore &&
-		d.count(ctx, `SELECT reserved FROM stock_items WHERE sku = 'sku-2'`) == 0,
-		"sku-2 stock is back: %d available, 0 reserved", availableBefore); err != nil {
+	available := d.count(ctx, `SELECT available FROM stock_items WHERE sku = 'sku-2'`)
+	reserved := d.count(ctx, `SELECT reserved FROM stock_items WHERE sku = 'sku-2'`)
+	err = d.check(available == stocked && reserved == 0, fmt.Sprintf("sku-2 stock is back: %d available, 0 reserved", stocked),
+		fmt.Sprintf("sku-2: %d available, %d reserved", available, reserved))
+	if err != nil {
 		return err
 	}
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
@@ -573,69 +360,238 @@ func (d *demo) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := d.check(orderField(cancelled.body, "status") == string(orderCancelled), "order %s is cancelled, not left paid", declinedID); err != nil {
-		return err
-	}
-
-	// 9. A refund, retried.
-	d.title("The customer gets a refund of the first order; the client retries that too")
-	refundPathOfFirst := refundPath(orderID)
-	refunded, err := d.post(ctx, refundPathOfFirst, demoRefundKey, `{"amount_cents":2000}`)
-	if err != nil {
-		return err
-	}
-	refundedAgain, err := d.post(ctx, refundPathOfFirst, demoRefundKey, `{"amount_cents":2000}`)
-	if err != nil {
-		return err
-	}
-	d.say("idempotency key: the refund went started -> refund_requested -> finished; the retry replays it")
-	if err := d.check(refunded.status == 200 && !refunded.replayed && refundedAgain.replayed && bytes.Equal(refunded.body, refundedAgain.body) &&
-		d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`) == 1,
-		"1 refund of 2000 at the processor"); err != nil {
-		return err
-	}
-	if _, err := d.relay(ctx, "relay-2"); err != nil {
-		return err
-	}
-
-	return d.summary(ctx, orderID, declinedID)
+	status := orderField(cancelled.body, "status")
+	return d.check(status == string(orderCancelled), "order "+shortID(declinedID)+" is cancelled, not left paid", "the order is "+status)
 }
 
-// summary prints the closing table: how often each thing was attempted, and
-// how often it happened.
-func (d *demo) summary(ctx context.Context, orderID, declinedID string) error {
-	fmt.Fprintf(d.out, "\n== Every effect happened once ==\n")
-	var eventID string
-	err := d.app.db.QueryRowContext(ctx, `SELECT event_id FROM outbox_events WHERE aggregate_id = ? AND event_type = 'OrderCreated'`, orderID).Scan(&eventID)
-	if err != nil {
-		return fmt.Errorf("read the OrderCreated event id: %w", err)
-	}
-	orderCreatedStored, _, err := d.app.broker.held(ctx, eventID)
+// refund is a refund's atomic phases, retried.
+func (d *demo) refund(ctx context.Context, orderID string) error {
+	d.title("The customer gets a refund of the first order; the client retries that too")
+	refunded, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
 	if err != nil {
 		return err
 	}
-	rows := []struct {
-		effect    string
-		attempts  string
-		happened  int
-		wantTimes int
-	}{
-		{"order created for " + demoKey, "3 POSTs", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ?`, demoKey), 1},
-		{"OrderCreated in the broker", "2 publishes", orderCreatedStored, 1},
-		{"saga started by payment-svc", "2 deliveries", d.count(ctx, `SELECT COUNT(*) FROM saga_instances WHERE order_id = ?`, orderID), 1},
-		{"card charged", "2 charge calls", d.count(ctx, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ? AND status = 'succeeded'`, orderID), 1},
-		{"stock sold for the first order", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations WHERE order_id = ? AND status = 'sold'`, orderID), 1},
-		{"order marked paid", "1 delivery", d.count(ctx, `SELECT COUNT(*) FROM inbox_messages i JOIN outbox_events e ON e.event_id = i.message_id WHERE e.aggregate_id = ? AND e.event_type = 'PaymentCaptured' AND i.status = 'done'`, orderID), 1},
-		{"stock released for the declined order", "1 compensation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations WHERE order_id = ? AND status = 'released'`, declinedID), 1},
-		{"declined order cancelled", "1 delivery", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE order_id = ? AND status = 'cancelled'`, declinedID), 1},
-		{"refund made", "2 POSTs", d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`), 1},
+	refundedAgain, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
+	if err != nil {
+		return err
 	}
-	fmt.Fprintf(d.out, "   %-40s %-16s %s\n", "effect", "attempts", "happened")
-	for _, row := range rows {
-		fmt.Fprintf(d.out, "   %-40s %-16s %d\n", row.effect, row.attempts, row.happened)
-		if row.happened != row.wantTimes {
-			return fmt.Errorf("check failed: %s happened %d times, want %d", row.effect, row.happened, row.wantTimes)
+	refunds := d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`)
+	err = d.check(refunded.status == 200 && !refunded.replayed && refundedAgain.replayed && bytes.Equal(refunded.body, refundedAgain.body) && refunds == 1,
+		"1 refund of 2000 at the processor", fmt.Sprintf("%s, then %s; %d refund(s) at the processor", refunded.seen(), refundedAgain.seen(), refunds),
+		"idempotency key: the refund went started -> refund_requested -> finished; the retry replayed it")
+	if err != nil {
+		return err
+	}
+	_, err = d.relay(ctx, "relay-2")
+	return err
+}
+
+// race is two requests with one new key at once: the second waits for the
+// first's transaction, then replays its answer.
+func (d *demo) race(ctx context.Context) error {
+	d.title("Two clients send one new key at the same moment")
+	fmt.Fprintf(d.out, "   POST /api/orders  Idempotency-Key: %s  (from clients A and B)\n   %s\n", demoRaceKey, demoRaceBody)
+	type answer struct {
+		result httpResult
+		err    error
+	}
+	send := func(done chan<- answer) {
+		result, err := d.send(ctx, "/api/orders", demoRaceKey, demoRaceBody)
+		done <- answer{result, err}
+	}
+	d.mu.Lock()
+	d.holdAt, d.held, d.release = faultAfterKeyClaim, make(chan struct{}), make(chan struct{})
+	held, release := d.held, d.release
+	d.mu.Unlock()
+	aDone, bDone := make(chan answer, 1), make(chan answer, 1)
+	go send(aDone)
+	// A holds the key inside its transaction (or, without the key, has
+	// already answered).
+	var a answer
+	aAnswered := false
+	select {
+	case <-held:
+	case a = <-aDone:
+		aAnswered = true
+	}
+	go send(bDone)
+	var b answer
+	bEarly := false
+	select {
+	case b = <-bDone:
+		bEarly = true
+	case <-time.After(demoWait):
+	}
+	d.mu.Lock()
+	d.holdAt = ""
+	d.mu.Unlock()
+	close(release)
+	if !aAnswered {
+		a = <-aDone
+	}
+	if !bEarly {
+		b = <-bDone
+	}
+	if a.err != nil {
+		return a.err
+	}
+	if b.err != nil {
+		return b.err
+	}
+	d.printResult("A ", a.result)
+	d.printResult("B ", b.result)
+	orders := d.ordersOfKey(ctx, demoRaceKey)
+	return d.check(!bEarly && a.result.status == 201 && b.result.status == 201 && b.result.replayed && bytes.Equal(a.result.body, b.result.body) && orders == 1,
+		"B waited for A's transaction, then got A's answer replayed; 1 order",
+		fmt.Sprintf("A: %s; B (answered while A held the key: %t): %s; %d order(s) under the key", a.result.seen(), bEarly, b.result.seen(), orders),
+		"idempotency key: A claimed it; B's transaction could not begin until A's committed, then found A's answer")
+}
+
+// droppedConnection is a transient failure: nothing is stored, so the key
+// is free and the retry does the work.
+func (d *demo) droppedConnection(ctx context.Context) error {
+	d.title("The database connection drops in the middle of a request; the retry goes through")
+	d.mu.Lock()
+	d.dropAt = faultAfterBusinessWrite
+	d.mu.Unlock()
+	dropped, err := d.post(ctx, "/api/orders", demoDroppedKey, demoDroppedBody)
+	d.mu.Lock()
+	d.dropAt = ""
+	d.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	orders, keys := d.ordersOfKey(ctx, demoDroppedKey), d.count(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = ?`, demoDroppedKey)
+	err = d.check(dropped.status == 503 && orders == 0 && keys == 0, "503 Service Unavailable; no order and no key stored",
+		fmt.Sprintf("%s; %d order(s), %d key row(s)", dropped.seen(), orders, keys),
+		"the order and its event were written, then the connection dropped before COMMIT: all of it rolled back, the key's claim too")
+	if err != nil {
+		return err
+	}
+	retried, err := d.post(ctx, "/api/orders", demoDroppedKey, demoDroppedBody)
+	if err != nil {
+		return err
+	}
+	orders = d.ordersOfKey(ctx, demoDroppedKey)
+	err = d.check(retried.status == 201 && !retried.replayed && orders == 1, "the retry created the order: 201, not a replay; 1 order",
+		fmt.Sprintf("%s; %d order(s)", retried.seen(), orders),
+		"idempotency key: a transient failure stores no outcome, so the key was free for the retry")
+	if err != nil {
+		return err
+	}
+	if err := d.settle(ctx); err != nil {
+		return err
+	}
+	unknown := d.count(ctx, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND status = 'poison'`, paymentServiceConsumer)
+	return d.check(unknown == 0, "every OrderCreated the payment service got was about an order that exists",
+		fmt.Sprintf("payment-svc set aside %d message(s) as poison: OrderCreated for orders that do not exist", unknown),
+		"outbox: the failed attempt's event rolled back with its order; only committed events were published")
+}
+
+// webhookTwice is the processor's side: a webhook delivered twice changes
+// the order once.
+func (d *demo) webhookTwice(ctx context.Context, orderID string) error {
+	d.title("The processor sends a webhook twice")
+	var chargeID string
+	if err := d.app.db.QueryRowContext(ctx, `SELECT COALESCE(charge_id, '') FROM orders WHERE order_id = ?`, orderID).Scan(&chargeID); err != nil {
+		return fmt.Errorf("read the charge of %s: %w", orderID, err)
+	}
+	refundID, err := d.app.processor.refund(ctx, demoDashboardRefund, chargeID, 500)
+	if err != nil {
+		return err
+	}
+	d.say("someone refunds 500 in the processor's dashboard; the processor tells us with charge.refunded, and sends it again")
+	event := chargeRefundedEvent(demoWebhookEventID, chargeID, refundID, 500)
+	var answers []string
+	for range 2 {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, d.base+"/webhooks/processor", bytes.NewReader(event))
+		if err != nil {
+			return err
 		}
+		req.Header.Set(signatureHeader, signWebhook([]byte(devWebhookSecret), d.clock.now(), event))
+		result, err := d.do(req)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(d.out, "   POST /webhooks/processor  %s\n", shortIDs(string(event)))
+		fmt.Fprintf(d.out, "   -> %d %s  %s\n", result.status, http.StatusText(result.status), strings.TrimSpace(string(result.body)))
+		answers = append(answers, fmt.Sprintf("%d %s", result.status, strings.TrimSpace(string(result.body))))
+	}
+	var refundedCents int
+	if err := d.app.db.QueryRowContext(ctx, `SELECT refunded_cents FROM orders WHERE order_id = ?`, orderID).Scan(&refundedCents); err != nil {
+		return fmt.Errorf("read refunded_cents of %s: %w", orderID, err)
+	}
+	return d.check(len(answers) == 2 && strings.Contains(answers[0], `"applied"`) && strings.Contains(answers[1], `"duplicate"`) && refundedCents == 2500,
+		"the first applied, the second was a duplicate; the order counts 2500 refunded (2000 + 500), once",
+		fmt.Sprintf("answers %q; refunded_cents %d", answers, refundedCents),
+		fmt.Sprintf("inbox: (%s, %s) was recorded with the first delivery's effect, so the second changed nothing", webhookConsumer, demoWebhookEventID))
+}
+
+// expiredKey is a key used again after it expired.
+func (d *demo) expiredKey(ctx context.Context, orderID string) error {
+	d.title("A day later, the refund client sends its key again")
+	later := idempotencyKeyTTL + time.Hour
+	d.clock.advance(later)
+	d.say("%s later: the refund's key expired %s after its answer", later, idempotencyKeyTTL)
+	again, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
+	if err != nil {
+		return err
+	}
+	refunds := d.count(ctx, `SELECT COUNT(*) FROM processor_refunds WHERE idempotency_key <> ?`, demoDashboardRefund)
+	return d.check(again.status == 422 && strings.Contains(string(again.body), string(problemKeyExpired)) && refunds == 1,
+		fmt.Sprintf("422 %s; still 1 refund of 2000", problemKeyExpired), fmt.Sprintf("%s; %d refund(s) through the API", again.seen(), refunds),
+		"idempotency key: an expired key no longer replays, but the order remembers the refund made under it,",
+		"so the answer names that refund instead of refunding again (a create's expired key would make a new order)")
+}
+
+// summaryRows are the closing table: how often each thing was attempted,
+// how often it happened, and how often it should have.
+func (d *demo) summaryRows(ctx context.Context) []summaryRow {
+	return []summaryRow{
+		{"order created for cart-7", "3 POSTs", d.ordersOfKey(ctx, demoKey), 1},
+		{"order created for cart-9", "2 POSTs at once", d.ordersOfKey(ctx, demoRaceKey), 1},
+		{"order created for cart-10", "2 POSTs, 1 dropped", d.ordersOfKey(ctx, demoDroppedKey), 1},
+		{"OrderCreated for an order never made", "1 dropped POST", d.count(ctx, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND status = 'poison'`, paymentServiceConsumer), 0},
+		{"saga started for cart-7", "2 deliveries", d.count(ctx, `SELECT COUNT(*) FROM saga_instances s JOIN orders o ON o.order_id = s.order_id WHERE o.idempotency_key = ?`, demoKey), 1},
+		{"card charged for cart-7", "2 charge calls", d.count(ctx, `SELECT COUNT(*) FROM processor_charges c JOIN orders o ON o.order_id = c.order_id WHERE o.idempotency_key = ? AND c.status = 'succeeded'`, demoKey), 1},
+		{"stock sold for cart-7", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'sold'`, demoKey), 1},
+		{"stock released for cart-8 (declined)", "1 compensation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'released'`, demoDeclinedKey), 1},
+		{"order cancelled for cart-8", "1 delivery", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ? AND status = 'cancelled'`, demoDeclinedKey), 1},
+		{"refund of 2000 made", "3 POSTs", d.count(ctx, `SELECT COUNT(*) FROM processor_refunds WHERE idempotency_key <> ?`, demoDashboardRefund), 1},
+		{"dashboard refund counted", "2 webhooks", d.count(ctx, `SELECT COUNT(*) FROM refunds WHERE source = 'webhook'`), 1},
+	}
+}
+
+// summaryRow is one line of the closing table.
+type summaryRow struct {
+	effect   string
+	attempts string
+	happened int
+	want     int
+}
+
+// printSummary prints the closing table and returns its rows that did not
+// happen as often as they should have.
+func (d *demo) printSummary(ctx context.Context) []string {
+	fmt.Fprintf(d.out, "\n== Every effect happened as often as it should ==\n")
+	fmt.Fprintf(d.out, "   %-36s %-19s %s\n", "effect", "attempts", "happened")
+	var wrong []string
+	for _, row := range d.summaryRows(ctx) {
+		mark := ""
+		if row.happened != row.want {
+			mark = fmt.Sprintf("   <- should be %d", row.want)
+			wrong = append(wrong, fmt.Sprintf("%s happened %d times, want %d", row.effect, row.happened, row.want))
+		}
+		fmt.Fprintf(d.out, "   %-36s %-19s %d%s\n", row.effect, row.attempts, row.happened, mark)
+	}
+	return wrong
+}
+
+// summary prints the closing table and the invariants check. Returns an
+// error if either found something wrong.
+func (d *demo) summary(ctx context.Context) error {
+	if wrong := d.printSummary(ctx); len(wrong) > 0 {
+		return fmt.Errorf("check failed: %s", strings.Join(wrong, "; "))
 	}
 	violations, err := audit(ctx, d.app.db, d.clock.now(), true)
 	if err != nil {
@@ -645,6 +601,20 @@ func (d *demo) summary(ctx context.Context, orderID, declinedID string) error {
 	if err := printAudit(d.out, violations, true); err != nil {
 		return fmt.Errorf("check failed: %w", err)
 	}
-	fmt.Fprintln(d.out, "\nAll checks passed.")
 	return nil
+}
+
+// summaryWithout prints the closing table and the invariants check of a
+// run without a layer, and returns how many invariants broke. The table's
+// wrong rows count as failed checks.
+func (d *demo) summaryWithout(ctx context.Context) (int, error) {
+	d.failed = append(d.failed, d.printSummary(ctx)...)
+	violations, err := audit(ctx, d.app.db, d.clock.now(), true)
+	if err != nil {
+		return 0, err
+	}
+	fmt.Fprintln(d.out)
+	// printAudit's error only repeats that there are violations.
+	_ = printAudit(d.out, violations, true)
+	return len(violations), nil
 }

@@ -332,16 +332,27 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 //
 // (On SQLite, writeTx gathers concurrent requests into one commit, each in a
 // savepoint; a lone request runs in a transaction of its own, on its own
-// goroutine. See groupcommit.go.)
+// goroutine. See infra_groupcommit.go.)
 //
 // Returns errKeyReused if the key belongs to another request. order must be
 // valid (see decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
+	if a.without == layerIdempotency {
+		// demo --without idempotency (demo_without.go).
+		return a.createOrderWithoutKey(ctx, req, order)
+	}
 	// A retry of a settled request is answered from a read connection,
 	// without waiting for the write lock; anything else is decided below.
 	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
 	if !errors.Is(err, errKeyNotSettled) {
 		return response, err
+	}
+	orderID := a.newID("ord")
+	if a.without == layerOutbox {
+		// demo --without outbox: the dual write (demo_without.go).
+		if err := a.publishBeforeCommit(ctx, orderID, req, order); err != nil {
+			return apiResponse{}, err
+		}
 	}
 
 	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
@@ -372,43 +383,28 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 			return err
 		}
 
-		newOrder := orderRow{
-			OrderID:        a.newID("ord"),
-			UserID:         req.UserID,
-			AmountCents:    order.AmountCents,
-			Currency:       order.Currency,
-			Items:          order.Items,
-			PaymentMethod:  order.PaymentMethod,
-			Status:         orderCreated,
-			IdempotencyKey: req.IdempotencyKey,
-			CreatedAt:      formatTime(now),
+		// The order and its OrderCreated event: one transaction, so the
+		// event is published if and only if the order exists.
+		newOrder, orderCreatedEvent, err := a.newOrderCreated(orderID, req, order, now)
+		if err != nil {
+			return err
 		}
 		if err := insertOrder(ctx, tx, newOrder); err != nil {
 			return err
 		}
-		orderCreatedEvent, err := a.newOutboxEvent(eventOrderCreated, newOrder.OrderID, orderCreatedPayload{
-			OrderID:       newOrder.OrderID,
-			UserID:        newOrder.UserID,
-			AmountCents:   newOrder.AmountCents,
-			Currency:      newOrder.Currency,
-			Items:         newOrder.Items,
-			PaymentMethod: newOrder.PaymentMethod,
-		})
-		if err != nil {
-			return err
-		}
-		if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
-			return err
+		if a.without != layerOutbox {
+			if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
+				return err
+			}
 		}
 		if err := a.fault.at(ctx, faultAfterBusinessWrite); err != nil {
 			return err
 		}
 
-		body, err := json.Marshal(newOrder.view())
+		response, err = createdResponse(newOrder)
 		if err != nil {
-			return fmt.Errorf("encode order: %w", err)
+			return err
 		}
-		response = apiResponse{Status: 201, Body: body, Location: "/api/orders/" + newOrder.OrderID}
 		// The key replays for idempotencyKeyTTL from the answer, not from
 		// the claim: a transaction stalled past the TTL (a paused process,
 		// a stuck disk) must still replay to the retry right after it, not
@@ -419,4 +415,38 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		return apiResponse{}, err
 	}
 	return response, nil
+}
+
+// newOrderCreated returns the order that req creates, with id orderID, and
+// its OrderCreated event.
+func (a *App) newOrderCreated(orderID string, req idempotentRequest, order orderRequest, now time.Time) (orderRow, outboxEvent, error) {
+	newOrder := orderRow{
+		OrderID:        orderID,
+		UserID:         req.UserID,
+		AmountCents:    order.AmountCents,
+		Currency:       order.Currency,
+		Items:          order.Items,
+		PaymentMethod:  order.PaymentMethod,
+		Status:         orderCreated,
+		IdempotencyKey: req.IdempotencyKey,
+		CreatedAt:      formatTime(now),
+	}
+	orderCreatedEvent, err := a.newOutboxEvent(eventOrderCreated, newOrder.OrderID, orderCreatedPayload{
+		OrderID:       newOrder.OrderID,
+		UserID:        newOrder.UserID,
+		AmountCents:   newOrder.AmountCents,
+		Currency:      newOrder.Currency,
+		Items:         newOrder.Items,
+		PaymentMethod: newOrder.PaymentMethod,
+	})
+	return newOrder, orderCreatedEvent, err
+}
+
+// createdResponse is the 201 that creating newOrder answers.
+func createdResponse(newOrder orderRow) (apiResponse, error) {
+	body, err := json.Marshal(newOrder.view())
+	if err != nil {
+		return apiResponse{}, fmt.Errorf("encode order: %w", err)
+	}
+	return apiResponse{Status: 201, Body: body, Location: "/api/orders/" + newOrder.OrderID}, nil
 }

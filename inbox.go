@@ -154,6 +154,10 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 // must retry the transaction), or the inbox could not be written. Nothing
 // is counted then, so an outage of any length uses up no message's tries.
 func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+	if a.without == layerInbox {
+		// demo --without inbox (demo_without.go).
+		return receiveWithoutInbox(ctx, tx, messageID, apply)
+	}
 	result := receiveResult{MessageID: messageID}
 	now := a.now()
 	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {

@@ -456,6 +456,11 @@ func (a *App) readSagaRun(ctx context.Context, run *sagaRun) {
 			run.unexpected = fmt.Errorf("bug: saga %s in progress with no pending step", saga.SagaID)
 		}
 	case sagaCompensating:
+		if a.without == layerSaga {
+			// demo --without saga: nothing is undone, the saga just ends
+			// (demo_without.go).
+			break
+		}
 		// Compensation runs in reverse.
 		run.step, run.stepOK = lastStepWith(steps, stepDone)
 	case sagaCompleted, sagaCompensated, sagaCompensationFailed:

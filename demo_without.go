@@ -1,0 +1,147 @@
+// demo --without LAYER: the article's "skip any one of them and you get a
+// hole", made visible. Each layer can be replaced, in the demo only, by the
+// naive code the article warns against; the demo then runs the same story
+// and shows the duplicate or lost effect, the invariants check breaks, and
+// the test that catches it.
+//
+// The naive code is here, apart from the layers, so that the layers read as
+// they run in production: each has one marked branch that calls into this
+// file when App.without names it.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// layer names one of the four layers.
+type layer string
+
+// The four layers, as demo --without names them.
+const (
+	layerIdempotency layer = "idempotency"
+	layerOutbox      layer = "outbox"
+	layerInbox       layer = "inbox"
+	layerSaga        layer = "saga"
+)
+
+// hole is what goes wrong without a layer.
+type hole struct {
+	// naive is the code that replaces the layer.
+	naive string
+	// effect is what the story shows going wrong.
+	effect string
+	// test is the test that fails if the layer has this hole.
+	test string
+}
+
+// layerHoles returns, for each layer, the naive code that replaces it and
+// the hole that leaves.
+func layerHoles() map[layer]hole {
+	return map[layer]hole{
+		layerIdempotency: {
+			naive:  "POST /api/orders ignores the Idempotency-Key: every request creates an order",
+			effect: "every retry of one request made another order, and each was charged",
+			test:   "go test -run 'TestIdempotency/RetryReturnsSameOrder|TestIdempotency/ConcurrentDuplicatesWaitAndReplay' .",
+		},
+		layerOutbox: {
+			naive:  "POST /api/orders publishes OrderCreated to the broker first, then commits the order (a dual write)",
+			effect: "a request whose commit failed, and every retry that only replayed, still published an OrderCreated, for orders that do not exist",
+			test:   "go test -run 'TestOutbox/EventCommitsWithTheOrder|TestIdempotency/TransientFailureLeavesKeyFree' .",
+		},
+		layerInbox: {
+			naive:  "consumers apply every delivery, with no inbox row to say it was applied before",
+			effect: "a redelivered OrderCreated ran its effect again; the saga table's UNIQUE (order_id) refused a second saga, so the message fails on every delivery, for ever, and is never acked",
+			test:   "go test -run 'TestInbox/RedeliveryIsSkipped|TestInbox/CrashBeforeAckRedeliversAndSkips' .",
+		},
+		layerSaga: {
+			naive:  "a saga whose step fails just stops: the order is cancelled, nothing done before is undone",
+			effect: "the declined order is cancelled but still holds the stock reserved for it",
+			test:   "go test -run 'TestSaga/DeclinedCardCompensatesOnlyStepsThatRan' .",
+		},
+	}
+}
+
+// parseLayer reads a --without value. Returns an error naming the layers
+// if s is none of them.
+func parseLayer(s string) (layer, error) {
+	holes := layerHoles()
+	if _, ok := holes[layer(s)]; ok {
+		return layer(s), nil
+	}
+	var names []string
+	for name := range holes {
+		names = append(names, string(name))
+	}
+	sort.Strings(names)
+	return "", fmt.Errorf("--without %q: no such layer; choose one of %s", s, strings.Join(names, ", "))
+}
+
+// createOrderWithoutKey is demo --without idempotency: the order and its
+// event commit together, but nothing remembers the request, so a retry is
+// a new order.
+func (a *App) createOrderWithoutKey(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
+	var response apiResponse
+	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+		now := a.now()
+		newOrder, orderCreatedEvent, err := a.newOrderCreated(a.newID("ord"), req, order, now)
+		if err != nil {
+			return err
+		}
+		if err := insertOrder(ctx, tx, newOrder); err != nil {
+			return err
+		}
+		if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterBusinessWrite); err != nil {
+			return err
+		}
+		response, err = createdResponse(newOrder)
+		return err
+	})
+	return response, err
+}
+
+// publishBeforeCommit is demo --without outbox: OrderCreated for the order
+// about to be created goes to the broker now, from the request path,
+// before the transaction that creates the order has even begun. If that
+// transaction fails, or finds the request already answered, the event is
+// out all the same, about an order that does not exist.
+func (a *App) publishBeforeCommit(ctx context.Context, orderID string, req idempotentRequest, order orderRequest) error {
+	_, orderCreatedEvent, err := a.newOrderCreated(orderID, req, order, a.now())
+	if err != nil {
+		return err
+	}
+	return a.broker.publishBatch(ctx, []message{{
+		ID:      orderCreatedEvent.EventID,
+		Subject: orderCreatedEvent.EventType,
+		Payload: orderCreatedEvent.Payload,
+	}})
+}
+
+// receiveWithoutInbox is demo --without inbox: the message's effect runs on
+// every delivery. Nothing records that it ran, so nothing can skip it the
+// second time; a failure is retried for ever.
+func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, messageID string, apply func(tx *sql.Tx) error) (receiveResult, error) {
+	result := receiveResult{MessageID: messageID, Outcome: inboxApplied}
+	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
+		return result, fmt.Errorf("savepoint: %w", err)
+	}
+	err := apply(tx)
+	if err != nil {
+		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
+			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+		}
+		result.Outcome = inboxRetry
+		result.Err = err
+	}
+	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {
+		return result, fmt.Errorf("release savepoint: %w", releaseErr)
+	}
+	return result, nil
+}
