@@ -345,6 +345,52 @@ func TestInboxReplay(t *testing.T) {
 		mustAuditClean(t, env, true)
 	})
 
+	// Ensure a replay finds the message in the broker when the outbox no
+	// longer holds its event (cleanup deletes published events after
+	// messageRetention, and keeps a broker message while a delivery of it
+	// is pending).
+	t.Run("ReplayAfterTheOutboxForgotTheEvent", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
+		eventID := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID)
+		if _, err := env.app.db.Exec(`DELETE FROM outbox_events WHERE event_id = ?`, eventID); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{MessageID: eventID}); err != nil {
+			t.Fatal(err)
+		}
+		// (No audit: the event was deleted by hand, before its time.)
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+			t.Fatalf("order is %s, want paid", got)
+		}
+	})
+
+	// Ensure a message that cleanup has deleted from both the outbox and
+	// the broker is refused, saying so, and nothing changes.
+	t.Run("RefusesAMessageCleanupDeleted", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		before := repairState(t, env)
+		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true})
+		mustRefuse(t, err, errRepairRefused, "in neither the outbox nor the broker any more")
+		if after := repairState(t, env); after != before {
+			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
+		}
+	})
+
 	// Ensure an unknown consumer or message, a message that was applied,
 	// and a system without poison messages are refused with a message that
 	// names the problem, and nothing changes.
