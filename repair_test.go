@@ -10,6 +10,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -901,4 +903,72 @@ func TestAdminAPI(t *testing.T) {
 			t.Fatalf("%d repairs logged, want none", got)
 		}
 	})
+}
+
+// Ensure every command and flag in the README's "Repair what was set
+// aside" section exists, and every admin endpoint it lists is routed.
+func TestREADMERepairSection(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "## Repair what was set aside\n")
+	if !ok {
+		t.Fatal("README has no section \"Repair what was set aside\"")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+
+	commands := 0
+	inCode := false
+	for _, line := range strings.Split(section, "\n") {
+		if strings.HasPrefix(line, "```") {
+			inCode = !inCode
+			continue
+		}
+		line, _, _ = strings.Cut(line, "#")
+		fields := strings.Fields(line)
+		if !inCode || len(fields) < 3 || fields[0] != "retrysafe" {
+			continue
+		}
+		commands++
+		cmd, rest, err := newRootCommand().Find(fields[1:])
+		if err != nil || cmd.Name() != fields[2] {
+			t.Fatalf("README names %q, which is no command (%v)", line, err)
+		}
+		for _, word := range rest {
+			if name, ok := strings.CutPrefix(word, "--"); ok && cmd.Flags().Lookup(name) == nil {
+				t.Errorf("README gives %s the flag --%s, which it does not have", cmd.CommandPath(), name)
+			}
+		}
+	}
+	for _, flagged := range regexp.MustCompile("`--[a-z-]+").FindAllString(section, -1) {
+		name := strings.TrimPrefix(flagged, "`--")
+		found := false
+		for _, path := range [][]string{{"outbox", "retry"}, {"inbox", "replay"}, {"saga", "list"}, {"saga", "resume"}, {"refund", "finish"}} {
+			cmd, _, err := newRootCommand().Find(path)
+			if err == nil && cmd.Flags().Lookup(name) != nil {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("README names --%s, which no repair command has", name)
+		}
+	}
+	if commands < 6 {
+		t.Fatalf("found %d commands in the section, want the six repair commands", commands)
+	}
+
+	env := MustOpenApp(t)
+	ts := newAdminTestServer(t, env, testAdminKey)
+	endpoints := regexp.MustCompile("`(GET|POST) (/admin/[^`?]*)(\\?[^`]*)?`").FindAllStringSubmatch(section, -1)
+	if len(endpoints) != 8 {
+		t.Fatalf("found %d admin endpoints in the section, want 8", len(endpoints))
+	}
+	for _, endpoint := range endpoints {
+		path := regexp.MustCompile(`\{([a-z_]+)\}`).ReplaceAllString(endpoint[2], "$1") + endpoint[3]
+		r := adminCall(t, ts, endpoint[1], path, testAdminKey, "")
+		if r.Status == http.StatusMethodNotAllowed || strings.Contains(r.Body, "no admin route") {
+			t.Errorf("README lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
+		}
+	}
 }
