@@ -363,7 +363,8 @@ func poisonMessagesOf(ctx context.Context, tx *sql.Tx, target inboxReplayTarget)
 // replaySource returns, read in tx, the message messageID as the relay
 // published it: from the outbox, whose event id is the message id, or,
 // once cleanup has deleted the published event, from the embedded
-// broker's copy. Returns errRepairRefused if neither holds it any more
+// broker's copy (which it deletes only once every delivery of it is
+// acked and old). Returns errRepairRefused if neither holds it any more
 // (cleanup deletes delivered messages after messageRetention; a message
 // that NATS could not give an id, nats-seq-..., never had an event).
 func replaySource(ctx context.Context, tx *sql.Tx, messageID string) (message, error) {
@@ -385,29 +386,26 @@ func replaySource(ctx context.Context, tx *sql.Tx, messageID string) (message, e
 
 // replay queues msg for subscriber again, in tx: the embedded broker lives
 // in the App's database (newApp), so the replay commits, or rolls back,
-// with the repair. The message is stored again if cleanup deleted it; the
-// subscriber's delivery goes back to pending, due now, and keeps its
-// delivery_count, which only grows: it is the fencing token of ack and nak.
-// replayID is not needed: the delivery is keyed by subscriber and message.
+// with the repair. The subscriber's delivery goes back to pending, due now,
+// and keeps its delivery_count, which only grows: it is the fencing token
+// of ack and nak. replayID is not needed: a delivery is keyed by
+// subscriber and message.
+//
+// Returns errRepairRefused if the broker holds no copy of msg: cleanup
+// deleted it, or the workers use NATS JetStream and this process was not
+// told so. Queuing a delivery that no worker reads would delete the poison
+// record and deliver nothing.
 func (b *embeddedBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
-	now := formatTime(b.now())
-	_, err := tx.ExecContext(ctx, `
-		INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
-		ON CONFLICT (message_id) DO NOTHING`,
-		msg.ID, msg.Subject, msg.Payload, now)
-	if err != nil {
-		return fmt.Errorf("store %s again: %w", msg.ID, err)
-	}
 	queued, err := tx.ExecContext(ctx, `
 		INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
 		SELECT ?, seq, 'pending', ? FROM broker_messages WHERE message_id = ?
 		ON CONFLICT (subscriber, message_seq) DO UPDATE
 		SET status = 'pending', visible_at = excluded.visible_at, acked_at = NULL`,
-		subscriber, now, msg.ID)
+		subscriber, formatTime(b.now()), msg.ID)
 	if err != nil {
 		return fmt.Errorf("deliver %s to %s again: %w", msg.ID, subscriber, err)
 	}
-	return oneRowOr(queued, fmt.Errorf("bug: no delivery of %s queued for %s", msg.ID, subscriber))
+	return oneRowOr(queued, fmt.Errorf("%w: the embedded broker holds no copy of %s (if the workers use NATS JetStream, name it with --broker as they do)", errRepairRefused, msg.ID))
 }
 
 // replayedMessageIDHeader carries, on a message that replays another, the
@@ -444,6 +442,15 @@ const replayedMessageIDHeader = "Retrysafe-Replay-Of"
 // still there: the consumer skips it, the message stays poison and
 // visible, and the operator runs the repair again.
 func (b *natsBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
+	// The embedded broker's copy means the workers use it, not NATS: a
+	// replay to a stream nobody reads would deliver nothing.
+	var embedded int
+	if err := tx.QueryRowContext(ctx, `SELECT COUNT(*) FROM broker_messages WHERE message_id = ?`, msg.ID).Scan(&embedded); err != nil {
+		return fmt.Errorf("look for %s in the embedded broker: %w", msg.ID, err)
+	}
+	if embedded > 0 {
+		return fmt.Errorf("%w: the embedded broker holds %s, so the workers use it, not NATS JetStream; run without --broker", errRepairRefused, msg.ID)
+	}
 	natsMsg := nats.NewMsg(b.subject(msg.Subject))
 	natsMsg.Header.Set(jetstream.MsgIDHeader, replayID)
 	natsMsg.Header.Set(replayedMessageIDHeader, msg.ID)

@@ -325,9 +325,11 @@ func TestInboxReplay(t *testing.T) {
 		mustAuditClean(t, env, true)
 	})
 
-	// Ensure a replay finds the message even after cleanup deleted the
-	// broker's copy: it is stored again from the outbox.
-	t.Run("ReplayAfterTheBrokerForgotTheMessage", func(t *testing.T) {
+	// Ensure a replay on the embedded broker is refused when the broker
+	// holds no copy of the message (the workers use NATS and the command
+	// was not told so): queuing a delivery nobody reads would delete the
+	// poison record and deliver nothing.
+	t.Run("RefusesWhenTheEmbeddedBrokerLacksTheMessage", func(t *testing.T) {
 		env := MustOpenApp(t)
 		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
 		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
@@ -340,11 +342,12 @@ func TestInboxReplay(t *testing.T) {
 		if _, err := env.app.db.Exec(`DELETE FROM broker_messages`); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: paymentServiceConsumer, AllPoison: true}); err != nil {
-			t.Fatal(err)
+		before := repairState(t, env)
+		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: paymentServiceConsumer, AllPoison: true})
+		mustRefuse(t, err, errRepairRefused, "name it with --broker")
+		if after := repairState(t, env); after != before {
+			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
 		}
-		env.drain(t)
-		mustAuditClean(t, env, true)
 	})
 
 	// Ensure a replay finds the message in the broker when the outbox no
@@ -465,6 +468,24 @@ func TestInboxReplay(t *testing.T) {
 		}
 		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
 		eventID := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID)
+		before := repairState(t, env)
+		// A command that was not told the workers use NATS is refused.
+		env.app.broker = &embeddedBroker{db: env.app.db, now: env.clock.now, ackWait: time.Minute}
+		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{MessageID: eventID})
+		mustRefuse(t, err, errRepairRefused, "name it with --broker")
+		env.app.broker = broker
+		// Nor one told NATS where the workers use the embedded broker.
+		if _, err := env.app.db.Exec(`INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, 'OrderCreated', '{}', '2026-03-01T12:00:00.000000Z')`, eventID); err != nil {
+			t.Fatal(err)
+		}
+		_, err = env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{MessageID: eventID})
+		mustRefuse(t, err, errRepairRefused, "run without --broker")
+		if _, err := env.app.db.Exec(`DELETE FROM broker_messages`); err != nil {
+			t.Fatal(err)
+		}
+		if after := repairState(t, env); after != before {
+			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
+		}
 		stored := streamMessages(t, broker)
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: paymentServiceConsumer, MessageID: eventID}); err != nil {
 			t.Fatal(err)
