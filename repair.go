@@ -62,6 +62,9 @@ var (
 type repairResult struct {
 	Target string `json:"target"`
 	Result string `json:"result"`
+	// Failed is set when the work could not be done (a refund the
+	// processor did not answer for); Result says why.
+	Failed bool `json:"failed,omitempty"`
 }
 
 // logRepair writes a repair_log row in tx, the repair's own transaction.
@@ -649,8 +652,10 @@ func mustParseTime(s string) time.Time {
 // found, not made again. A key a request holds is left to it.
 //
 // Not one transaction: the processor is called between phases. Each key's
-// outcome is logged in its own transaction after it. Returns the results,
-// and an error joining every key that could not be finished.
+// outcome is logged in its own transaction after it. A key that could not
+// be finished (the processor timed out again) is a result with Failed
+// set, not an error: the others' outcomes stand and are reported. Returns
+// an error only if the keys cannot be read or an outcome not logged.
 func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResult, error) {
 	refunds, err := listUnfinishedRefunds(ctx, a.db, a.now(), a.leases.refundLock)
 	if err != nil {
@@ -658,7 +663,6 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 	}
 	repairID := a.newID("rep")
 	results := []repairResult{}
-	var failures []error
 	for i, refund := range refunds {
 		if refund.Held {
 			continue
@@ -667,6 +671,7 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 		before := fmt.Sprintf("refund of order %s at %s, %s", refund.OrderID, refund.RecoveryPoint, refund.State)
 		err := a.completeRefund(ctx, refund.request)
 		var result string
+		failed := false
 		switch {
 		case err == nil:
 			result = before + "; finished"
@@ -678,7 +683,7 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 			result = before + "; the order is not paid yet, the key is forgotten for the client's retry"
 		default:
 			result = before + "; not finished: " + err.Error()
-			failures = append(failures, fmt.Errorf("refund key %s: %w", target, err))
+			failed = true
 		}
 		err = withTx(ctx, a.db, func(tx *sql.Tx) error {
 			return logRepair(ctx, tx, fmt.Sprintf("%s-%d", repairID, i+1), operator, repairRefundFinish, target, result, a.now())
@@ -686,9 +691,9 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 		if err != nil {
 			return results, err
 		}
-		results = append(results, repairResult{Target: target, Result: result})
+		results = append(results, repairResult{Target: target, Result: result, Failed: failed})
 	}
-	return results, errors.Join(failures...)
+	return results, nil
 }
 
 // operatorFromEnv is the default --operator: the login name.
@@ -713,9 +718,9 @@ func addRepairFlags(cmd *cobra.Command, dbPath, operator *string) {
 
 // runRepair opens the database at dbPath, runs repair, prints its results
 // and then the audit of `retrysafe check --in-flight`. It fails if the
-// repair was refused or failed (nothing was changed then), or if the audit
-// finds a violation (the repair is committed; the audit names what is
-// still wrong).
+// repair was refused or failed (nothing was changed then), if a result
+// says it could not be done, or if the audit finds a violation (the repair
+// is committed; the audit names what is still wrong).
 func runRepair(cmd *cobra.Command, dbPath, brokerURL, stream string, repair func(ctx context.Context, app *App) ([]repairResult, error)) error {
 	ctx := cmd.Context()
 	if err := checkBrokerURL(brokerURL); err != nil {
@@ -733,13 +738,23 @@ func runRepair(cmd *cobra.Command, dbPath, brokerURL, stream string, repair func
 	defer closeBroker()
 	results, err := repair(ctx, app)
 	out := cmd.OutOrStdout()
+	failed := 0
 	for _, result := range results {
 		fmt.Fprintf(out, "%s: %s\n", result.Target, result.Result)
+		if result.Failed {
+			failed++
+		}
 	}
 	if err != nil {
 		return err
 	}
-	return printRepairAudit(ctx, out, app)
+	if err := printRepairAudit(ctx, out, app); err != nil {
+		return err
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d of %d could not be repaired; see above", failed, len(results))
+	}
+	return nil
 }
 
 // printRepairAudit runs and prints the audit of `retrysafe check

@@ -658,9 +658,18 @@ func TestRefundFinish(t *testing.T) {
 		}
 
 		env.clock.advance(refundLockTimeout)
+		// The processor does not answer yet: reported, not finished.
+		env.fault.failAt(faultProcessorLoseResponse, errors.New("connection reset"), 1)
 		results, err = env.app.finishRefunds(ctx, "alice")
-		if err != nil || len(results) != 1 || !strings.Contains(results[0].Result, "abandoned: its request stopped; finished") {
+		if err != nil || len(results) != 1 || !results[0].Failed || !strings.Contains(results[0].Result, "not finished: processor timed out") {
+			t.Fatalf("got %+v, %v; want the key reported unfinished", results, err)
+		}
+		results, err = env.app.finishRefunds(ctx, "alice")
+		if err != nil || len(results) != 1 || results[0].Failed || !strings.Contains(results[0].Result, "released after a transient failure; finished") {
 			t.Fatalf("got %+v, %v", results, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 1 {
+			t.Fatalf("%d processor refunds, want 1: the lost answer's refund was found, not made again", got)
 		}
 		if got := env.str(t, `SELECT recovery_point FROM idempotency_keys WHERE idempotency_key = 'refund-1'`); got != string(recoveryFinished) {
 			t.Fatalf("key is at %s", got)
@@ -668,7 +677,7 @@ func TestRefundFinish(t *testing.T) {
 		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderRefunded) {
 			t.Fatalf("order is %s, want refunded", got)
 		}
-		if got := repairLog(t, env); got != "alice|refund finish|user-42/refund-1" {
+		if got := repairLog(t, env); got != "alice|refund finish|user-42/refund-1; alice|refund finish|user-42/refund-1" {
 			t.Fatalf("repair_log: %s", got)
 		}
 		env.drain(t)
