@@ -617,7 +617,7 @@ func listUnfinishedRefunds(ctx context.Context, q queryer, now time.Time, refund
 		switch {
 		case lockedBy != "" && lockedAt > cutoff:
 			r.Held = true
-			r.State = "held by a request until " + formatTime(mustParseTime(lockedAt).Add(refundLock))
+			r.State = "held by a request since " + lockedAt
 		case lockedBy != "":
 			r.State = "abandoned: its request stopped"
 		case lockedAt != "":
@@ -631,16 +631,6 @@ func listUnfinishedRefunds(ctx context.Context, q queryer, now time.Time, refund
 		return nil, fmt.Errorf("list unfinished refunds: %w", err)
 	}
 	return refunds, nil
-}
-
-// mustParseTime parses a time as stored; a stored time that does not parse
-// reads as the zero time, which only makes a listing's lease look old.
-func mustParseTime(s string) time.Time {
-	t, err := time.Parse(timeFormat, s)
-	if err != nil {
-		return time.Time{}
-	}
-	return t
 }
 
 // finishRefunds runs the refund completer once, now, over every unfinished
@@ -696,11 +686,6 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 	return results, nil
 }
 
-// operatorFromEnv is the default --operator: the login name.
-func operatorFromEnv() string {
-	return os.Getenv("USER")
-}
-
 // checkOperator returns an error unless operator names someone: a repair
 // is logged with who made it.
 func checkOperator(operator string) error {
@@ -713,7 +698,7 @@ func checkOperator(operator string) error {
 // addRepairFlags adds --db and --operator.
 func addRepairFlags(cmd *cobra.Command, dbPath, operator *string) {
 	cmd.Flags().StringVar(dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
-	cmd.Flags().StringVar(operator, "operator", operatorFromEnv(), "who makes the repair, for repair_log (default $USER)")
+	cmd.Flags().StringVar(operator, "operator", os.Getenv("USER"), "who makes the repair, for repair_log (default $USER)")
 }
 
 // runRepair opens the database at dbPath, runs repair, prints its results
