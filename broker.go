@@ -81,6 +81,9 @@ type messageBroker interface {
 	// stores, and how many publishes of it it dropped as duplicates. The
 	// demo shows both.
 	held(ctx context.Context, messageID string) (stored, dropped int, err error)
+	// replay delivers msg, which subscriber recorded as poison, to it
+	// again, as part of the repair transaction tx (repair.go).
+	replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error
 }
 
 // embeddedBroker is the embedded broker over the broker_* tables.

@@ -220,7 +220,12 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 			if err != nil {
 				return nil, fmt.Errorf("message metadata: %w", err)
 			}
-			id := natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			// A replay (repair.go) carries the id of the message it
+			// replays: the one the inbox keys on.
+			id := natsMsg.Headers().Get(replayedMessageIDHeader)
+			if id == "" {
+				id = natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			}
 			var malformed error
 			if id == "" {
 				// Not one of ours: nothing could deduplicate it. Failing

@@ -16,6 +16,10 @@
 //	retrysafe check     audit a database: nothing twice, nothing lost
 //	retrysafe chaos     kill processes at random under load, then audit
 //	retrysafe sign-webhook BODY   print the signature header for a webhook
+//	retrysafe outbox retry       put failed outbox events back to pending
+//	retrysafe inbox replay       deliver poison messages again
+//	retrysafe saga resume|list   resume a saga whose compensation failed
+//	retrysafe refund finish|list finish abandoned refunds now
 package main
 
 import (
@@ -76,6 +80,10 @@ func newRootCommand() *cobra.Command {
 		newCheckCommand(),
 		newChaosCommand(),
 		newSimulateCommand(),
+		newOutboxCommand(),
+		newInboxCommand(),
+		newSagaCommand(),
+		newRefundCommand(),
 	)
 	return root
 }
@@ -173,6 +181,10 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if err != nil {
 		return err
 	}
+	adminKey, err := adminKeyConfig(out, apiKeys)
+	if err != nil {
+		return err
+	}
 	logger := slog.New(slog.NewTextHandler(out, nil))
 	// Listen first: a busy port or a bad address fails before any database
 	// file is created.
@@ -193,7 +205,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer closeBroker()
 	app.log = logger
-	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, logger: logger}
+	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, adminKey: adminKey, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
 	if isPostgresURL(dbPath) {

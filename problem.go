@@ -32,6 +32,8 @@ const (
 	problemUnavailable        problemType = "/problems/temporarily-unavailable"
 	problemBadSignature       problemType = "/problems/bad-signature"
 	problemInternal           problemType = "/problems/internal"
+	problemAdminDisabled      problemType = "/problems/admin-disabled"
+	problemRepairRefused      problemType = "/problems/repair-refused"
 )
 
 // problemDocs explains each problem type to a person who follows its URI.
@@ -54,6 +56,8 @@ var problemDocs = map[problemType]string{
 	problemUnavailable:        "A transient failure. The request may have taken effect (a connection can drop after a commit, before its answer): retry with the same Idempotency-Key after Retry-After, within the key's 24 hours, to get its outcome.",
 	problemBadSignature:       "The webhook's Retrysafe-Signature header is missing, wrong or too old.",
 	problemInternal:           "An unexpected error. Retry with the same Idempotency-Key to get the request's outcome.",
+	problemAdminDisabled:      "The /admin endpoints are off. Start serve with RETRYSAFE_ADMIN_KEY set and send Authorization: Bearer <that key>; customers' API keys never open them.",
+	problemRepairRefused:      "The repair would change a row that is not in the state it repairs (an event that did not fail, a message that is not poison, a saga whose compensation did not fail). Nothing was changed; the detail says what the row is.",
 }
 
 // problem is an RFC 9457 problem details object.

@@ -306,3 +306,25 @@ CREATE TABLE inbox_failures (
 -- other processes' relays and consumers (see wakeup.go). SQLite has no way
 -- to tell another process; processes on one file find each other's work by
 -- polling. The section keeps the two files' versions in step.
+
+-- version 4
+
+-- repair_log records every repair an operator made (retrysafe outbox retry,
+-- inbox replay, saga resume, refund finish, or the same under /admin): who,
+-- what, to which row, when, and what came of it. A repair writes its row in
+-- the transaction that changes the state it repairs, so the log never
+-- claims a repair that did not happen nor misses one that did. A refusal
+-- changes nothing and is not logged.
+CREATE TABLE repair_log (
+    repair_id  TEXT PRIMARY KEY,
+    -- operator: --operator (default $USER), or admin-api.
+    operator   TEXT NOT NULL,
+    -- action: outbox retry | inbox replay | saga resume | refund finish
+    action     TEXT NOT NULL,
+    -- target: the event id, consumer/message id, saga id, or user/key.
+    target     TEXT NOT NULL,
+    -- result: what the row was, and what it became.
+    result     TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
+CREATE INDEX repair_log_created_at ON repair_log (created_at);

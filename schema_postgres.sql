@@ -312,3 +312,17 @@ CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
     FOR EACH STATEMENT EXECUTE FUNCTION notify_work('retrysafe_outbox');
 CREATE TRIGGER broker_deliveries_notify AFTER INSERT ON broker_deliveries
     FOR EACH STATEMENT EXECUTE FUNCTION notify_work('retrysafe_deliveries');
+
+-- version 4
+
+-- repair_log records every repair an operator made: see version 4 of
+-- schema.sql for why.
+CREATE TABLE repair_log (
+    repair_id  TEXT PRIMARY KEY,
+    operator   TEXT NOT NULL,
+    action     TEXT NOT NULL,
+    target     TEXT NOT NULL,
+    result     TEXT NOT NULL,
+    created_at utc_time NOT NULL
+);
+CREATE INDEX repair_log_created_at ON repair_log (created_at);

@@ -38,7 +38,9 @@ type server struct {
 	apiKeys map[string]string
 	// webhookSecret signs the processor's webhooks.
 	webhookSecret []byte
-	logger        *slog.Logger
+	// adminKey opens the /admin endpoints (repair.go); empty, they are off.
+	adminKey string
+	logger   *slog.Logger
 }
 
 // parseAPIKeys parses RETRYSAFE_API_KEYS ("user-42:sk_test_a,user-7:sk_test_b").
@@ -75,6 +77,7 @@ func (s *server) routes() http.Handler {
 	mux.HandleFunc("POST /webhooks/processor", s.handleProcessorWebhook)
 	mux.HandleFunc("GET /healthz", s.handleHealth)
 	mux.HandleFunc("GET /problems/{name}", s.handleProblemDoc)
+	s.adminRoutes(mux)
 	// The method-less patterns catch what the ones above do not, so that a
 	// wrong method or path still gets a problem document.
 	allowed := map[string]string{
