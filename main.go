@@ -199,6 +199,13 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer db.Close()
 	app := newApp(db, processClock(clock.file, clock.skew), nil, nil)
+	stopTracing, err := startTracing(ctx, app, out, "serve", workerName("serve"))
+	if err != nil {
+		return err
+	}
+	// It runs at return, once the requests and loops are done: it flushes
+	// their last spans.
+	defer stopTracing()
 	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
 	if err != nil {
 		return err
@@ -288,6 +295,11 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer app.db.Close()
+	stopTracing, err := startTracing(ctx, app, out, role, workerName(role))
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
 	if err != nil {
 		return err
