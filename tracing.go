@@ -148,6 +148,14 @@ func (a *App) tracer() trace.Tracer {
 	return a.tracerProvider.Tracer(tracerName)
 }
 
+// tracingOn reports whether the App records spans. With the no-op provider
+// (tracing off) the helpers below make no span at all, nor the attributes
+// and links a span would be given: tracing off costs next to nothing.
+func (a *App) tracingOn() bool {
+	_, off := a.tracerProvider.(noop.TracerProvider)
+	return !off
+}
+
 // failSpan marks span as failed by err.
 func failSpan(span trace.Span, err error) {
 	span.RecordError(err)
@@ -174,6 +182,12 @@ func withTraceID(log *slog.Logger, spanContext trace.SpanContext) *slog.Logger {
 func (s *server) traced(route string, next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := propagation.TraceContext{}.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+		if !s.app.tracingOn() {
+			// Nothing to record; the caller's context is passed on all
+			// the same (startCreateSpan), as the no-op tracer would.
+			next.ServeHTTP(w, r.WithContext(ctx))
+			return
+		}
 		ctx, span := s.app.tracer().Start(ctx, r.Method+" "+route,
 			trace.WithSpanKind(trace.SpanKindServer),
 			trace.WithAttributes(
@@ -193,10 +207,19 @@ func (s *server) traced(route string, next http.Handler) http.Handler {
 // startCreateSpan starts the "create" span of event, a child of ctx's span
 // (the request's, or the saga step's that writes the event), and returns
 // the creation context to store with the event. The tracer is that of
-// ctx's span: an event written outside any span (a test, a repair) gets a
-// no-op span and no context.
+// ctx's span: an event written outside any trace (tracing off and no
+// traceparent came in; a test; a repair) gets no span and no context, and
+// one written in a trace that is not recorded (tracing off, a traceparent
+// came in) passes that trace's context on unchanged.
 func startCreateSpan(ctx context.Context, event outboxEvent) (traceContext, trace.Span) {
-	tracer := trace.SpanFromContext(ctx).TracerProvider().Tracer(tracerName)
+	parent := trace.SpanFromContext(ctx)
+	switch {
+	case !parent.SpanContext().IsValid():
+		return traceContext{}, noop.Span{}
+	case !parent.IsRecording():
+		return traceContextOf(ctx), noop.Span{}
+	}
+	tracer := parent.TracerProvider().Tracer(tracerName)
 	ctx, span := tracer.Start(ctx, "create "+event.EventType,
 		trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(
@@ -214,6 +237,9 @@ func startCreateSpan(ctx context.Context, event outboxEvent) (traceContext, trac
 // because the events' creation contexts are their "create" spans, with a
 // link to each. A batch of one event, or of one event type, names it.
 func (a *App) startSendSpan(ctx context.Context, relayID string, events []outboxEvent) (context.Context, trace.Span) {
+	if !a.tracingOn() {
+		return ctx, noop.Span{}
+	}
 	attrs := []attribute.KeyValue{
 		semconv.MessagingSystemKey.String(a.broker.system()),
 		semconv.MessagingOperationTypeSend,
@@ -252,6 +278,9 @@ func (a *App) startSendSpan(ctx context.Context, relayID string, events []outbox
 //
 // fetched is the wall clock's, as every span's time is, not the App's.
 func (a *App) traceReceive(ctx context.Context, c consumer, deliveries []delivery, fetched time.Time) context.Context {
+	if !a.tracingOn() {
+		return ctx
+	}
 	links := make([]trace.Link, 0, len(deliveries))
 	for _, d := range deliveries {
 		link, ok := d.Trace.link(semconv.MessagingMessageID(d.ID), semconv.MessagingDestinationName(d.Subject))
@@ -276,6 +305,9 @@ func (a *App) traceReceive(ctx context.Context, c consumer, deliveries []deliver
 // batch's "receive" span in ctx, with a link to the message's creation
 // context: the trace of the request (or saga step) that wrote the event.
 func (a *App) startProcessSpan(ctx context.Context, c consumer, d delivery) (context.Context, trace.Span) {
+	if !a.tracingOn() {
+		return ctx, noop.Span{}
+	}
 	var links []trace.Link
 	if link, ok := d.Trace.link(semconv.MessagingMessageID(d.ID)); ok {
 		links = append(links, link)
@@ -296,6 +328,9 @@ func (a *App) startProcessSpan(ctx context.Context, c consumer, d delivery) (con
 // message or one to retry is an error; an applied or duplicate one is not.
 // err is receiveIn's: the batch's transaction fails with it.
 func endProcessSpan(span trace.Span, result receiveResult, err error) {
+	if !span.IsRecording() {
+		return
+	}
 	span.SetAttributes(attrInboxOutcome.String(string(result.Outcome)))
 	switch {
 	case err != nil:
@@ -317,7 +352,7 @@ func (a *App) startSagaSpan(ctx context.Context, run *sagaRun) {
 	run.span = noop.Span{}
 	name := ""
 	switch {
-	case run.unexpected != nil:
+	case !a.tracingOn(), run.unexpected != nil:
 		return
 	case run.saga.Status == sagaInProgress && run.stepOK:
 		name = "saga " + run.step.Name
@@ -341,6 +376,9 @@ func (a *App) startSagaSpan(ctx context.Context, run *sagaRun) {
 
 // endSagaSpan ends run's span with what became of the saga.
 func endSagaSpan(run *sagaRun, next sagaNext) {
+	if !run.span.IsRecording() {
+		return
+	}
 	run.span.SetAttributes(attrSagaThen.String(next.String()))
 	if run.called && run.callErr != nil {
 		failSpan(run.span, run.callErr)

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -575,4 +576,50 @@ func TestTracing(t *testing.T) {
 			t.Fatalf("startTracing printed %q, want it to say where spans go", out.String())
 		}
 	})
+}
+
+// discardExporter drops every span it is given: the cost measured is the
+// spans' making and batching, not a collector's.
+type discardExporter struct{}
+
+// ExportSpans drops spans.
+func (discardExporter) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+
+// Shutdown does nothing.
+func (discardExporter) Shutdown(context.Context) error { return nil }
+
+// BenchmarkCreateOrderTracing is fresh creates through the HTTP handler (in
+// process, no network), each with a client's traceparent, with tracing off
+// (the no-op provider, as without OTEL_EXPORTER_OTLP_ENDPOINT) and on (the
+// SDK with a batch processor, as serve sets up, exporting to nowhere): the
+// server span, the create span and the two columns.
+func BenchmarkCreateOrderTracing(b *testing.B) {
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	for _, mode := range []string{"off", "on"} {
+		b.Run(mode, func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			if mode == "on" {
+				provider := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
+				b.Cleanup(func() { provider.Shutdown(context.Background()) })
+				app.tracerProvider = provider
+			}
+			s := &server{app: app, apiKeys: map[string]string{keyUser42: "user-42"}, logger: discardLogger()}
+			handler := s.routes()
+			i := 0
+			for b.Loop() {
+				i++
+				req := httptest.NewRequest("POST", "/api/orders", strings.NewReader(body))
+				req.Header.Set("Authorization", "Bearer "+keyUser42)
+				req.Header.Set("Idempotency-Key", "trace-"+mode+"-"+strconv.Itoa(i))
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set("traceparent", clientTraceparent)
+				recorder := httptest.NewRecorder()
+				handler.ServeHTTP(recorder, req)
+				if recorder.Code != http.StatusCreated {
+					b.Fatalf("got %d %s; want 201", recorder.Code, recorder.Body)
+				}
+			}
+			reportOpsPerSecond(b, "orders/s")
+		})
+	}
 }
