@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -621,5 +623,81 @@ func BenchmarkCreateOrderTracing(b *testing.B) {
 			}
 			reportOpsPerSecond(b, "orders/s")
 		})
+	}
+}
+
+// Ensure the README's "Traces" section names exactly the spans retrysafe
+// makes: every span name of its table is made by a paid, a declined and a
+// refunded order, and every span they make is in the table; and the
+// command it shows turns tracing on.
+func TestREADMETracesSection(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "## Traces\n")
+	if !ok {
+		t.Fatal("README has no section \"Traces\"")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	var patterns []*regexp.Regexp
+	var names []string
+	for _, line := range strings.Split(section, "\n") {
+		if !strings.HasPrefix(line, "| `") {
+			continue
+		}
+		first := strings.Split(line, "|")[1]
+		for _, name := range regexp.MustCompile("`([^`]+)`").FindAllStringSubmatch(first, -1) {
+			names = append(names, name[1])
+			// {event}, {consumer} and {step} stand for an event type, a
+			// consumer and a saga step; {id} is the route's own.
+			pattern := regexp.QuoteMeta(name[1])
+			pattern = strings.ReplaceAll(pattern, `\{event\}`, "("+strings.Join([]string{eventOrderCreated, eventPaymentCaptured, eventOrderCancelled, eventOrderRefunded}, "|")+")")
+			pattern = strings.ReplaceAll(pattern, `\{consumer\}`, "("+paymentServiceConsumer+"|"+orderServiceConsumer+")")
+			pattern = strings.ReplaceAll(pattern, `\{step\}`, "("+strings.Join(fulfilmentSteps(), "|")+")")
+			patterns = append(patterns, regexp.MustCompile("^"+pattern+"$"))
+		}
+	}
+	if len(names) < 8 {
+		t.Fatalf("found %d span names in the section's table: %v", len(names), names)
+	}
+	if !strings.Contains(section, "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 retrysafe serve --db retrysafe.db") {
+		t.Error("the section does not show how to turn tracing on")
+	}
+
+	env := MustOpenApp(t)
+	exporter := recordSpans(t, env)
+	ts := newTestServer(t, env)
+	status, body := postTraced(t, ts, "/api/orders", "paid", orderBody(5000, "sku-1", 1, pmCardVisa), clientTraceparent, "")
+	if status != 201 {
+		t.Fatalf("create: %d %s", status, body)
+	}
+	paid := orderField([]byte(body), "order_id")
+	if status, body := postTraced(t, ts, "/api/orders", "declined", orderBody(700, "sku-2", 1, pmCardDeclined), "", ""); status != 201 {
+		t.Fatalf("create: %d %s", status, body)
+	}
+	env.drain(t)
+	if status, body := postTraced(t, ts, "/api/orders/"+paid+"/refund", "refund", "{}", "", ""); status != 200 && status != 201 {
+		t.Fatalf("refund: %d %s", status, body)
+	}
+	env.drain(t)
+	spans := exporter.GetSpans()
+	for i, pattern := range patterns {
+		found := false
+		for _, span := range spans {
+			found = found || pattern.MatchString(span.Name)
+		}
+		if !found {
+			t.Errorf("README names the span %q, which no order made; spans: %s", names[i], spanNames(spans))
+		}
+	}
+	for _, span := range spans {
+		found := false
+		for _, pattern := range patterns {
+			found = found || pattern.MatchString(span.Name)
+		}
+		if !found {
+			t.Errorf("a span %q that the README's table does not name", span.Name)
+		}
 	}
 }
