@@ -315,6 +315,8 @@ const nakTimeout = 5 * time.Second
 // paused past ackWait) is not an error: what was committed stands, and the
 // consumer that holds the delivery now acks it.
 func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
+	// When the fetch began, for its "receive" span: a span's times are the
+	// wall clock's, not the App's.
 	fetched := time.Now()
 	deliveries, err := a.broker.fetch(ctx, c.name, max)
 	if err != nil || len(deliveries) == 0 {

@@ -544,6 +544,7 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
+		// The call is part of the step's span.
 		ctx := trace.ContextWithSpan(ctx, run.span)
 		if run.saga.Status == sagaInProgress {
 			run.chargeID, run.callErr = a.processor.charge(ctx, chargeRequest{
