@@ -177,6 +177,9 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
+	if err := checkOTLPEndpoint(); err != nil {
+		return err
+	}
 	apiKeys, webhookSecret, err := serveConfig(out)
 	if err != nil {
 		return err
@@ -285,6 +288,9 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
+		return err
+	}
+	if err := checkOTLPEndpoint(); err != nil {
 		return err
 	}
 	logger := slog.New(slog.NewTextHandler(out, nil))

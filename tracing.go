@@ -26,6 +26,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
 	"time"
 
@@ -402,10 +403,38 @@ func failSagaSpans(runs []*sagaRun, err error) {
 	}
 }
 
+// otlpEndpointVariables are the standard variables that name where OTLP
+// traces go: the base URL of a collector, or the URL of its traces path.
+var otlpEndpointVariables = []string{"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+
 // otlpEndpointSet reports whether the standard variables ask for an OTLP
 // exporter of traces.
 func otlpEndpointSet() bool {
-	return os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != ""
+	for _, name := range otlpEndpointVariables {
+		if os.Getenv(name) != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// checkOTLPEndpoint returns an error naming the variable unless each OTLP
+// endpoint that is set is an http:// or https:// URL with a host. The
+// exporter would skip a malformed one with a line on stderr and send the
+// spans to its default, https://localhost:4318, instead. serve, relay and
+// worker check it before they touch the database.
+func checkOTLPEndpoint() error {
+	for _, name := range otlpEndpointVariables {
+		value := os.Getenv(name)
+		if value == "" {
+			continue
+		}
+		u, err := url.Parse(value)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return fmt.Errorf("%s=%q: want an http:// or https:// URL, such as http://127.0.0.1:4318", name, value)
+		}
+	}
+	return nil
 }
 
 // traceShutdownTimeout bounds the flush of the last spans when a process
@@ -423,6 +452,9 @@ const traceShutdownTimeout = 5 * time.Second
 func startTracing(ctx context.Context, app *App, out io.Writer, role, workerID string) (func(), error) {
 	if !otlpEndpointSet() {
 		return func() {}, nil
+	}
+	if err := checkOTLPEndpoint(); err != nil {
+		return nil, err
 	}
 	exporter, err := otlptracehttp.New(ctx)
 	if err != nil {

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -532,6 +533,32 @@ func TestTracing(t *testing.T) {
 		got := env.str(t, `SELECT string_agg(COALESCE(traceparent, 'NULL'), ' ' ORDER BY seq) FROM outbox_events`)
 		if want := "NULL " + clientTraceparent; got != want {
 			t.Fatalf("the outbox holds %q, want %q", got, want)
+		}
+	})
+
+	// Ensure serve, relay and worker refuse an OTLP endpoint that is not
+	// an http(s) URL, naming the variable, before they touch the
+	// database: the exporter would send the spans elsewhere.
+	t.Run("MalformedEndpointIsRefused", func(t *testing.T) {
+		for _, command := range []string{"serve", "relay", "worker"} {
+			for _, name := range otlpEndpointVariables {
+				t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+				t.Setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+				t.Setenv(name, "localhost:4318")
+				path := filepath.Join(t.TempDir(), "never.db")
+				args := []string{command, "--db", path}
+				if command == "serve" {
+					args = append(args, "--addr", "127.0.0.1:0")
+				}
+				var out bytes.Buffer
+				err := run(context.Background(), args, strings.NewReader(""), &out, &out)
+				if err == nil || !strings.Contains(out.String(), name+`="localhost:4318": want an http:// or https:// URL`) {
+					t.Fatalf("%s with %s=localhost:4318: %v\n%s\nwant a refusal naming the variable", command, name, err, out.String())
+				}
+				if _, statErr := os.Stat(path); statErr == nil {
+					t.Fatalf("%s created %s before refusing", command, path)
+				}
+			}
 		}
 	})
 
