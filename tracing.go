@@ -79,7 +79,7 @@ type traceContext struct {
 	TraceState  string
 }
 
-// Get returns the header key of c: *traceContext is a
+// Get returns the value of the header key in c: *traceContext is a
 // propagation.TextMapCarrier, which the W3C propagator reads and writes.
 func (c *traceContext) Get(key string) string {
 	switch key {
@@ -91,7 +91,7 @@ func (c *traceContext) Get(key string) string {
 	return ""
 }
 
-// Set sets the header key of c; the propagator sets no others.
+// Set sets the header key in c to value; the propagator sets no others.
 func (c *traceContext) Set(key, value string) {
 	switch key {
 	case "traceparent":
