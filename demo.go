@@ -39,13 +39,17 @@ const demoAPIKey = "sk_test_demo"
 
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
-	var dbPath, brokerURL string
+	var dbPath, brokerURL, logFormatFlag string
 	var step, trace bool
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the scripted scenario: the same order arrives several times, the result happens once",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
 			var pause func(title string)
 			if step {
 				if dbPath == "" {
@@ -61,15 +65,25 @@ func newDemoCommand() *cobra.Command {
 					input.ReadString('\n')
 				}
 			}
-			var traceTo io.Writer
+			var traceLog *slog.Logger
 			if trace {
-				traceTo = cmd.OutOrStdout()
+				// Without the wall clock's time: the story runs on its own
+				// clock.
+				traceLog = newLogger(cmd.OutOrStdout(), format, &slog.HandlerOptions{
+					ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
+						if attr.Key == slog.TimeKey && len(groups) == 0 {
+							return slog.Attr{}
+						}
+						return attr
+					},
+				})
 			}
-			return runDemoStopping(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause, nil, traceTo)
+			return runDemoStopping(cmd.Context(), cmd.OutOrStdout(), dbPath, brokerURL, pause, nil, traceLog)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&trace, "trace", false, "also log each background action (relay publish, inbox outcome, saga step) as it happens")
+	cmd.Flags().StringVar(&logFormatFlag, "log-format", string(logText), "with --trace: log lines as text (key=value) or json (one object per line)")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
 	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")
 	return cmd
@@ -105,9 +119,9 @@ func runDemo(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause
 
 // runDemoStopping is runDemo with stop, if set, called at every fault point
 // the story passes, on the goroutine that reached it: a test holds it there
-// as a breakpoint would. trace, if set, gets a log line for each background
-// action (demo --trace), as serve logs them.
-func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint), trace io.Writer) error {
+// as a breakpoint would. trace, if set, logs each background action (demo
+// --trace), as serve logs them.
+func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL string, pause func(title string), stop func(ctx context.Context, point faultPoint), trace *slog.Logger) error {
 	kept := dbPath != ""
 	if !kept {
 		dir, err := os.MkdirTemp("", "retrysafe-demo-")
@@ -164,15 +178,7 @@ func runDemoStopping(ctx context.Context, out io.Writer, dbPath, brokerURL strin
 	}
 	defer app.db.Close()
 	if trace != nil {
-		// Without the wall clock's time: the story runs on its own clock.
-		app.log = slog.New(slog.NewTextHandler(trace, &slog.HandlerOptions{
-			ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
-				if attr.Key == slog.TimeKey && len(groups) == 0 {
-					return slog.Attr{}
-				}
-				return attr
-			},
-		}))
+		app.log = trace
 	}
 	d.app = app
 	d.ackWait = app.leases.ackWait
