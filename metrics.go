@@ -70,7 +70,7 @@ const (
 // enableMetrics gives a (and its processor) metrics, registered with the
 // database gauges over a's database, and returns them.
 func (a *App) enableMetrics() *metrics {
-	m := newMetrics(&dbCollector{db: a.readDB, now: a.now})
+	m := newMetrics(newDBCollector(a.readDB, a.now))
 	a.metrics = m
 	a.processor.metrics = m
 	for _, c := range a.consumers() {
@@ -339,26 +339,33 @@ func (a *App) observeFinalStates(ctx context.Context, c consumer, deliveries []d
 type dbCollector struct {
 	db  queryer
 	now func() time.Time
+
+	outboxPending, outboxOldestPending, outboxFailed, sagas *prometheus.Desc
 }
 
-// Descriptions of dbCollector's gauges.
-var (
-	outboxPendingDesc = prometheus.NewDesc("retrysafe_outbox_pending_events",
-		"Outbox events not yet published (the relay's backlog), read from the database.", nil, nil)
-	outboxOldestPendingDesc = prometheus.NewDesc("retrysafe_outbox_oldest_pending_age_seconds",
-		"Age of the oldest outbox event not yet published, 0 if none; read from the database.", nil, nil)
-	outboxFailedDesc = prometheus.NewDesc("retrysafe_outbox_failed_events",
-		"Outbox events marked failed after their last publish attempt, each blocking its order's later events until an operator acts; read from the database.", nil, nil)
-	sagasDesc = prometheus.NewDesc("retrysafe_sagas",
-		"Fulfilment sagas by state, read from the database.", []string{"state"}, nil)
-)
+// newDBCollector returns a dbCollector that reads db, and measures ages by
+// now.
+func newDBCollector(db queryer, now func() time.Time) *dbCollector {
+	return &dbCollector{
+		db:  db,
+		now: now,
+		outboxPending: prometheus.NewDesc("retrysafe_outbox_pending_events",
+			"Outbox events not yet published (the relay's backlog), read from the database.", nil, nil),
+		outboxOldestPending: prometheus.NewDesc("retrysafe_outbox_oldest_pending_age_seconds",
+			"Age of the oldest outbox event not yet published, 0 if none; read from the database.", nil, nil),
+		outboxFailed: prometheus.NewDesc("retrysafe_outbox_failed_events",
+			"Outbox events marked failed after their last publish attempt, each holding back its order's later events until an operator acts; read from the database.", nil, nil),
+		sagas: prometheus.NewDesc("retrysafe_sagas",
+			"Fulfilment sagas by state, read from the database.", []string{"state"}, nil),
+	}
+}
 
 // Describe sends the gauges' descriptions.
 func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- outboxPendingDesc
-	ch <- outboxOldestPendingDesc
-	ch <- outboxFailedDesc
-	ch <- sagasDesc
+	ch <- c.outboxPending
+	ch <- c.outboxOldestPending
+	ch <- c.outboxFailed
+	ch <- c.sagas
 }
 
 // Collect reads the gauges: one query for the outbox's three, one for the
@@ -369,14 +376,14 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), metricsQueryTimeout)
 	defer cancel()
 	if err := c.collectOutbox(ctx, ch); err != nil {
-		for _, desc := range []*prometheus.Desc{outboxPendingDesc, outboxOldestPendingDesc, outboxFailedDesc} {
+		for _, desc := range []*prometheus.Desc{c.outboxPending, c.outboxOldestPending, c.outboxFailed} {
 			ch <- prometheus.NewInvalidMetric(desc, err)
 		}
 	}
 	ctx, cancel = context.WithTimeout(context.Background(), metricsQueryTimeout)
 	defer cancel()
 	if err := c.collectSagas(ctx, ch); err != nil {
-		ch <- prometheus.NewInvalidMetric(sagasDesc, err)
+		ch <- prometheus.NewInvalidMetric(c.sagas, err)
 	}
 }
 
@@ -421,9 +428,9 @@ func (c *dbCollector) collectOutbox(ctx context.Context, ch chan<- prometheus.Me
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("count unpublished outbox events: %w", err)
 	}
-	ch <- prometheus.MustNewConstMetric(outboxPendingDesc, prometheus.GaugeValue, float64(pending))
-	ch <- prometheus.MustNewConstMetric(outboxOldestPendingDesc, prometheus.GaugeValue, oldestAge)
-	ch <- prometheus.MustNewConstMetric(outboxFailedDesc, prometheus.GaugeValue, float64(failed))
+	ch <- prometheus.MustNewConstMetric(c.outboxPending, prometheus.GaugeValue, float64(pending))
+	ch <- prometheus.MustNewConstMetric(c.outboxOldestPending, prometheus.GaugeValue, oldestAge)
+	ch <- prometheus.MustNewConstMetric(c.outboxFailed, prometheus.GaugeValue, float64(failed))
 	return nil
 }
 
@@ -456,7 +463,7 @@ func (c *dbCollector) collectSagas(ctx context.Context, ch chan<- prometheus.Met
 		return fmt.Errorf("count sagas by state: %w", err)
 	}
 	for status, count := range counts {
-		ch <- prometheus.MustNewConstMetric(sagasDesc, prometheus.GaugeValue, float64(count), string(status))
+		ch <- prometheus.MustNewConstMetric(c.sagas, prometheus.GaugeValue, float64(count), string(status))
 	}
 	return nil
 }

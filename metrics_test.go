@@ -338,7 +338,7 @@ func TestMetrics(t *testing.T) {
 			t.Fatal(err)
 		}
 		db.Close()
-		m := newMetrics(&dbCollector{db: db, now: time.Now})
+		m := newMetrics(newDBCollector(db, time.Now))
 		m.published(3)
 		var log bytes.Buffer
 		ts := httptest.NewServer(m.handler(slog.New(slog.NewTextHandler(&log, nil))))
@@ -751,7 +751,7 @@ func BenchmarkMetricsObserveRequest(b *testing.B) {
 		var m *metrics
 		if on {
 			name = "on"
-			m = newMetrics(&dbCollector{})
+			m = newMetrics(newDBCollector(nil, time.Now))
 		}
 		b.Run(name, func(b *testing.B) {
 			for b.Loop() {
@@ -777,9 +777,10 @@ func TestREADMEMetricsAndLogs(t *testing.T) {
 	for _, match := range regexp.MustCompile("(?m)^\\| `(retrysafe_[a-z_]+)` \\|").FindAllStringSubmatch(section, -1) {
 		listed = append(listed, match[1])
 	}
-	m := newMetrics(&dbCollector{})
+	database := newDBCollector(nil, time.Now)
+	m := newMetrics(database)
 	var exported []string
-	for _, collector := range m.collectors(&dbCollector{}) {
+	for _, collector := range m.collectors(database) {
 		descs := make(chan *prometheus.Desc, 16)
 		collector.Describe(descs)
 		close(descs)
