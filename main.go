@@ -268,7 +268,7 @@ func newLoopCommand(role, short string,
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	addClockFlags(cmd, &clock)
-	addMetricsAddrFlag(cmd, &metricsAddr)
+	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
 	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }

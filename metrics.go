@@ -271,18 +271,6 @@ func statusClass(status int) string {
 	return "other"
 }
 
-// finalStatus returns the order status that event, applied by the order
-// service, makes final; ok is false for any other event.
-func finalStatus(eventType string) (status orderStatus, ok bool) {
-	switch eventType {
-	case eventPaymentCaptured:
-		return orderPaid, true
-	case eventOrderCancelled:
-		return orderCancelled, true
-	}
-	return "", false
-}
-
 // observeFinalStates records, for each order the order service just made
 // paid or cancelled (an applied PaymentCaptured or OrderCancelled among
 // deliveries), how long it took since the order was created. It runs after
@@ -294,11 +282,17 @@ func (a *App) observeFinalStates(ctx context.Context, c consumer, deliveries []d
 	if a.metrics == nil || c.name != orderServiceConsumer {
 		return
 	}
+	// The order IDs made final, and the status each was given.
 	final := map[string]orderStatus{}
 	for i, d := range deliveries {
-		status, ok := finalStatus(d.Subject)
-		if ok && results[i].Outcome == inboxApplied {
-			final[payloadOrderID(d.Payload)] = status
+		if results[i].Outcome != inboxApplied {
+			continue
+		}
+		switch d.Subject {
+		case eventPaymentCaptured:
+			final[payloadOrderID(d.Payload)] = orderPaid
+		case eventOrderCancelled:
+			final[payloadOrderID(d.Payload)] = orderCancelled
 		}
 	}
 	if len(final) == 0 {
@@ -492,12 +486,6 @@ func parseLogFormat(name string) (logFormat, error) {
 // addLogFormatFlag adds --log-format.
 func addLogFormatFlag(cmd *cobra.Command, format *string) {
 	cmd.Flags().StringVar(format, "log-format", string(logText), "log lines as text (key=value) or json (one object per line)")
-}
-
-// addMetricsAddrFlag adds --metrics-addr, for the processes that serve no
-// API of their own.
-func addMetricsAddrFlag(cmd *cobra.Command, addr *string) {
-	cmd.Flags().StringVar(addr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
 }
 
 // newLogger returns a logger that writes to out in format; opts may be nil.
