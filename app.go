@@ -107,6 +107,9 @@ type App struct {
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
 	log *slog.Logger
+	// metrics counts what this process does (metrics.go); nil, and free,
+	// unless serve or --metrics-addr asked for them.
+	metrics *metrics
 	// wake wakes the loops when there is work for them (infra_wakeup.go).
 	wake wakeups
 	// idle is how long the loops sleep when they find nothing and nobody

@@ -18,6 +18,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"strings"
 	"time"
@@ -33,16 +34,19 @@ const demoAPIKey = "sk_test_demo"
 
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
-	var dbPath, brokerURL, without string
+	var dbPath, brokerURL, without, logFormatFlag string
 	var step, trace bool
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the scripted scenario: the same order arrives several times, the result happens once",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
 			opts := demoOptions{dbPath: dbPath, brokerURL: brokerURL}
 			if without != "" {
-				var err error
 				if opts.without, err = parseLayer(without); err != nil {
 					return err
 				}
@@ -64,13 +68,23 @@ func newDemoCommand() *cobra.Command {
 			}
 			opts.pause = pause
 			if trace {
-				opts.trace = cmd.OutOrStdout()
+				// Without the wall clock's time: the story runs on its own
+				// clock.
+				opts.trace = newLogger(cmd.OutOrStdout(), format, &slog.HandlerOptions{
+					ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
+						if attr.Key == slog.TimeKey && len(groups) == 0 {
+							return slog.Attr{}
+						}
+						return attr
+					},
+				})
 			}
 			return runDemoWith(cmd.Context(), cmd.OutOrStdout(), opts)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&trace, "trace", false, "also log each background action (relay publish, inbox outcome, saga step) as it happens")
+	cmd.Flags().StringVar(&logFormatFlag, "log-format", string(logText), "with --trace: log lines as text (key=value) or json (one object per line)")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
 	cmd.Flags().StringVar(&without, "without", "", "replace one layer (idempotency, outbox, inbox or saga) by the naive code the article warns against, and watch the story break")
 	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")

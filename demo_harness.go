@@ -35,9 +35,9 @@ type demoOptions struct {
 	// the goroutine that reached it: a test holds it there as a
 	// breakpoint would.
 	stop func(ctx context.Context, point faultPoint)
-	// trace, if set, gets a log line for each background action (demo
-	// --trace), as serve logs them.
-	trace io.Writer
+	// trace, if set, logs each background action (demo --trace), as
+	// serve logs them.
+	trace *slog.Logger
 	// without, if set, replaces that layer by the naive code the article
 	// warns against (demo --without).
 	without layer
@@ -154,15 +154,7 @@ func runDemoWith(ctx context.Context, out io.Writer, opts demoOptions) error {
 	app.withoutGroupCommit()
 	app.without = opts.without
 	if opts.trace != nil {
-		// Without the wall clock's time: the story runs on its own clock.
-		app.log = slog.New(slog.NewTextHandler(opts.trace, &slog.HandlerOptions{
-			ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
-				if attr.Key == slog.TimeKey && len(groups) == 0 {
-					return slog.Attr{}
-				}
-				return attr
-			},
-		}))
+		app.log = opts.trace
 	}
 	d.app = app
 	d.ackWait = app.leases.ackWait

@@ -130,6 +130,9 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
+	if err == nil {
+		a.metrics.inboxOutcome(consumerName, result.Outcome)
+	}
 	return result, err
 }
 
@@ -317,6 +320,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	if err != nil || len(deliveries) == 0 {
 		return nil, err
 	}
+	a.metrics.delivered(c.name, deliveries)
 	var results []receiveResult
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
 		results = nil
@@ -355,6 +359,10 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
 		}
 	}
+	for _, result := range results {
+		a.metrics.inboxOutcome(c.name, result.Outcome)
+	}
+	a.observeFinalStates(ctx, c, deliveries, results)
 	for _, result := range results {
 		if result.Outcome == inboxApplied {
 			// What was applied may have started a saga (startFulfilment);

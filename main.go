@@ -122,7 +122,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL, stream string
+	var dbPath, addr, durabilityFlag, brokerURL, stream, logFormatFlag string
 	var workers bool
 	var leaseScale float64
 	var clock chaosClockFlags
@@ -135,7 +135,11 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale, clock)
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -146,11 +150,13 @@ func newServeCommand() *cobra.Command {
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	addClockFlags(cmd, &clock)
+	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }
 
-// serveConfig reads the server's settings from the environment.
-func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte, err error) {
+// serveConfig reads the server's settings from the environment, and tells
+// say when it falls back to a dev setting.
+func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSecret []byte, err error) {
 	if spec := os.Getenv("RETRYSAFE_API_KEYS"); spec != "" {
 		apiKeys, err = parseAPIKeys(spec)
 		if err != nil {
@@ -158,34 +164,35 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 		}
 	} else {
 		apiKeys = map[string]string{devAPIKey: devUserID}
-		fmt.Fprintf(out, "RETRYSAFE_API_KEYS is not set: accepting the dev key %s for %s\n", devAPIKey, devUserID)
+		say(fmt.Sprintf("RETRYSAFE_API_KEYS is not set: accepting the dev key %s for %s", devAPIKey, devUserID))
 	}
 	secret := os.Getenv("RETRYSAFE_WEBHOOK_SECRET")
 	if secret == "" {
 		secret = devWebhookSecret
-		fmt.Fprintf(out, "RETRYSAFE_WEBHOOK_SECRET is not set: webhooks are checked against the dev secret %s\n", devWebhookSecret)
+		say(fmt.Sprintf("RETRYSAFE_WEBHOOK_SECRET is not set: webhooks are checked against the dev secret %s", devWebhookSecret))
 	}
 	return apiKeys, []byte(secret), nil
 }
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64, clock chaosClockFlags) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64, clock chaosClockFlags, format logFormat) error {
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
-	apiKeys, webhookSecret, err := serveConfig(out)
+	logger := newLogger(out, format, nil)
+	say := func(message string) { notice(out, logger, format, message) }
+	apiKeys, webhookSecret, err := serveConfig(say)
 	if err != nil {
 		return err
 	}
-	adminKey, err := adminKeyConfig(out, apiKeys)
+	adminKey, err := adminKeyConfig(say, apiKeys)
 	if err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewTextHandler(out, nil))
 	// Listen first: a busy port or a bad address fails before any database
 	// file is created.
 	listener, err := net.Listen("tcp", addr)
@@ -205,13 +212,14 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer closeBroker()
 	app.log = logger
+	app.enableMetrics()
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, adminKey: adminKey, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
 	if isPostgresURL(dbPath) {
 		durabilityName = "durability set by the server's synchronous_commit"
 	}
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, %s, %s)\n", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream))
+	say(fmt.Sprintf("retrysafe serving http://%s (database %s, %s, %s); metrics at /metrics", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream)))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -253,7 +261,7 @@ func newWorkerCommand() *cobra.Command {
 // process of its own beside serve.
 func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
-	var dbPath, brokerURL, stream string
+	var dbPath, brokerURL, stream, metricsAddr, logFormatFlag string
 	var leaseScale float64
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
@@ -261,18 +269,25 @@ func newLoopCommand(role, short string,
 		Short: short,
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, clock, start)
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, clock, metricsAddr, format, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addLeaseScaleFlag(cmd, &leaseScale)
 	addClockFlags(cmd, &clock)
+	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
+	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }
 
-// runLoops runs the loops that start starts until ctx is done.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64, clock chaosClockFlags,
+// runLoops runs the loops that start starts until ctx is done, and serves
+// their metrics on metricsAddr unless it is empty.
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64, clock chaosClockFlags, metricsAddr string, format logFormat,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
 	if err := checkLeaseScale(leaseScale); err != nil {
 		return err
@@ -280,7 +295,17 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewTextHandler(out, nil))
+	logger := newLogger(out, format, nil)
+	var metricsListener net.Listener
+	if metricsAddr != "" {
+		// As serve does: a busy port fails before anything starts.
+		listener, err := net.Listen("tcp", metricsAddr)
+		if err != nil {
+			return fmt.Errorf("listen on --metrics-addr %s: %w", metricsAddr, err)
+		}
+		defer listener.Close()
+		metricsListener = listener
+	}
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
 	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew))
@@ -295,6 +320,11 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	defer closeBroker()
 	var loops sync.WaitGroup
 	app.log = logger
+	if metricsListener != nil {
+		app.enableMetrics()
+		serveMetrics(ctx, &loops, metricsListener, app, logger)
+		logger.Info("serving metrics", "url", "http://"+metricsListener.Addr().String()+"/metrics")
+	}
 	start(ctx, &loops, app, workerName(role), logger)
 	startListener(ctx, &loops, app, dbPath, logger)
 	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))

@@ -228,6 +228,7 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	for _, event := range events {
 		a.log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
 	}
+	a.metrics.published(len(events))
 	return len(events), nil
 }
 
@@ -272,7 +273,7 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 	if attempts >= maxPublishAttempts {
 		status = outboxFailed
 	}
-	_, err := a.db.ExecContext(ctx, `
+	recorded, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
 		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?, claimed_by = NULL, claimed_until = NULL
 		WHERE event_id = ? AND status = 'pending' AND claimed_by = ? AND lease_token = ?`,
@@ -280,6 +281,19 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 		event.EventID, relayID, event.LeaseToken)
 	if err != nil {
 		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
+	}
+	n, err := recorded.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
+	}
+	if n == 0 {
+		// Not ours any more: the relay that holds the claim records it.
+		return nil
+	}
+	a.log.Warn("relay publish failed", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID,
+		"attempts", attempts, "status", string(status), "error", publishErr.Error())
+	if status == outboxPending {
+		a.metrics.publishRetried()
 	}
 	return nil
 }

@@ -987,10 +987,10 @@ func newRefundCommand() *cobra.Command {
 // adminKeyConfig reads RETRYSAFE_ADMIN_KEY for serve. Unset, the admin
 // endpoints are off. Returns an error if the admin key is also a
 // customer's API key: a customer's key must never open /admin.
-func adminKeyConfig(out io.Writer, apiKeys map[string]string) (string, error) {
+func adminKeyConfig(say func(message string), apiKeys map[string]string) (string, error) {
 	adminKey := os.Getenv("RETRYSAFE_ADMIN_KEY")
 	if adminKey == "" {
-		fmt.Fprintln(out, "RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
+		say("RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
 		return "", nil
 	}
 	if user, ok := apiKeys[adminKey]; ok {

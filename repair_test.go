@@ -806,12 +806,12 @@ func TestAdminAPI(t *testing.T) {
 	// customer's API key.
 	t.Run("AdminKeyMustNotBeACustomerKey", func(t *testing.T) {
 		t.Setenv("RETRYSAFE_ADMIN_KEY", keyUser42)
-		_, err := adminKeyConfig(io.Discard, map[string]string{keyUser42: "user-42"})
+		_, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"})
 		if err == nil || !strings.Contains(err.Error(), "also the API key of user-42") {
 			t.Fatalf("got %v", err)
 		}
 		t.Setenv("RETRYSAFE_ADMIN_KEY", testAdminKey)
-		if key, err := adminKeyConfig(io.Discard, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
+		if key, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
 			t.Fatalf("got %q, %v", key, err)
 		}
 	})

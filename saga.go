@@ -395,9 +395,16 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 	var again []*sagaRun
 	wroteEvent := false
 	for i, run := range runs {
-		if run.stepOK {
+		switch {
+		case run.stepOK:
 			a.log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
 				"step", run.step.Name, "then", nexts[i].String())
+		case run.saga.Status == sagaCompensating && nexts[i] == sagaWroteEvent:
+			// Every step undone: finishCompensation wrote OrderCancelled.
+			a.log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
+		}
+		if nexts[i] == sagaCompensatedStep {
+			a.metrics.compensated(run.step.Name)
 		}
 		if asides[i] != nil {
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
