@@ -60,16 +60,20 @@ const (
 // seconds and a run takes a minute instead of ten.
 type leaseTimes struct {
 	relay, ackWait, saga, refundLock time.Duration
+	// publishBackoff is the relay's first wait after a failed publish; it
+	// doubles with each attempt (relayBackoff).
+	publishBackoff time.Duration
 }
 
 // scaledLeaseTimes returns the lease constants multiplied by scale.
 func scaledLeaseTimes(scale float64) leaseTimes {
 	scaled := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
 	return leaseTimes{
-		relay:      scaled(relayLease),
-		ackWait:    scaled(ackWait),
-		saga:       scaled(sagaLease),
-		refundLock: scaled(refundLockTimeout),
+		relay:          scaled(relayLease),
+		publishBackoff: scaled(time.Second),
+		ackWait:        scaled(ackWait),
+		saga:           scaled(sagaLease),
+		refundLock:     scaled(refundLockTimeout),
 	}
 }
 

@@ -124,7 +124,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 func newServeCommand() *cobra.Command {
 	var dbPath, addr, durabilityFlag, brokerURL, stream, logFormatFlag string
 	var workers bool
-	var leaseScale float64
+	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -139,7 +139,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale, clock, format)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, drill, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -148,7 +148,7 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced; either way concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
-	addLeaseScaleFlag(cmd, &leaseScale)
+	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
@@ -176,8 +176,8 @@ func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSe
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64, clock chaosClockFlags, format logFormat) error {
-	if err := checkLeaseScale(leaseScale); err != nil {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
+	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
@@ -206,7 +206,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer db.Close()
 	app := newApp(db, processClock(clock.file, clock.skew), nil, nil)
-	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err
 	}
@@ -262,7 +262,7 @@ func newWorkerCommand() *cobra.Command {
 func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
 	var dbPath, brokerURL, stream, metricsAddr, logFormatFlag string
-	var leaseScale float64
+	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   role,
@@ -273,12 +273,12 @@ func newLoopCommand(role, short string,
 			if err != nil {
 				return err
 			}
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, clock, metricsAddr, format, start)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, drill, clock, metricsAddr, format, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
-	addLeaseScaleFlag(cmd, &leaseScale)
+	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
 	addLogFormatFlag(cmd, &logFormatFlag)
@@ -287,9 +287,9 @@ func newLoopCommand(role, short string,
 
 // runLoops runs the loops that start starts until ctx is done, and serves
 // their metrics on metricsAddr unless it is empty.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64, clock chaosClockFlags, metricsAddr string, format logFormat,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
-	if err := checkLeaseScale(leaseScale); err != nil {
+	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
@@ -313,7 +313,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer app.db.Close()
-	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err
 	}
@@ -333,10 +333,29 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	return nil
 }
 
-// checkLeaseScale rejects a --lease-scale that is not positive.
-func checkLeaseScale(scale float64) error {
-	if scale <= 0 {
-		return fmt.Errorf("--lease-scale must be positive, not %v", scale)
+// drillFlags are --lease-scale and --broker-down, for drills: README
+// "Operate it" breaks the broker and shortens every wait so that a
+// publish gives up in seconds, and the chaos run shortens every lease so
+// that a killed process's work is taken over within seconds.
+type drillFlags struct {
+	leaseScale float64
+	brokerDown bool
+}
+
+// addDrillFlags adds --lease-scale and --broker-down to cmd.
+func addDrillFlags(cmd *cobra.Command, drill *drillFlags) {
+	cmd.Flags().Float64Var(&drill.leaseScale, "lease-scale", 1, "multiply every lease, ack wait and publish backoff by this factor (for drills)")
+	cmd.Flags().BoolVar(&drill.brokerDown, "broker-down", false, "a drill: the embedded broker refuses every publish, as if unreachable")
+}
+
+// check rejects a --lease-scale that is not positive, and --broker-down
+// with NATS (to break NATS, stop its server).
+func (drill drillFlags) check(brokerURL string) error {
+	if drill.leaseScale <= 0 {
+		return fmt.Errorf("--lease-scale must be positive, not %v", drill.leaseScale)
+	}
+	if drill.brokerDown && brokerURL != "" {
+		return errors.New("--broker-down breaks the embedded broker; to break NATS, stop the NATS server")
 	}
 	return nil
 }
@@ -344,8 +363,11 @@ func checkLeaseScale(scale float64) error {
 // startProcess readies app for a long-running process (serve, relay,
 // worker): its leases, its broker, its consumers' subscriptions. It returns
 // what closes the broker.
-func startProcess(ctx context.Context, app *App, leaseScale float64, brokerURL, stream string) (func(), error) {
-	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
+func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string) (func(), error) {
+	app.setLeaseTimes(scaledLeaseTimes(drill.leaseScale))
+	if embedded, ok := app.broker.(*embeddedBroker); ok {
+		embedded.down = drill.brokerDown
+	}
 	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
 	if err != nil {
 		return nil, err
@@ -407,13 +429,6 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	return broker.close, nil
 }
 
-// addLeaseScaleFlag adds the hidden --lease-scale flag: the chaos run
-// shortens every lease so that a killed process's work is taken over within
-// seconds. Nobody else should need it.
-func addLeaseScaleFlag(cmd *cobra.Command, scale *float64) {
-	cmd.Flags().Float64Var(scale, "lease-scale", 1, "multiply every lease and ack wait by this factor")
-	cmd.Flags().MarkHidden("lease-scale")
-}
 
 // chaosClockFlags are the hidden --clock-file and --clock-skew.
 type chaosClockFlags struct {
