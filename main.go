@@ -429,7 +429,6 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	return broker.close, nil
 }
 
-
 // chaosClockFlags are the hidden --clock-file and --clock-skew.
 type chaosClockFlags struct {
 	file string
