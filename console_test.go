@@ -615,3 +615,77 @@ func TestConsoleInBrowser(t *testing.T) {
 		t.Fatalf("repair_log: %s", got)
 	}
 }
+
+// Ensure every console route the README's "The console" section names is
+// routed, every button it names in bold is a button of the page, and
+// every command it compares a button to exists.
+func TestREADMEConsoleSection(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "## The console\n")
+	if !ok {
+		t.Fatal("README has no section \"The console\"")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+
+	env := MustOpenApp(t)
+	ts := newAdminTestServer(t, env, testAdminKey)
+	routes := regexp.MustCompile("`(GET|POST) (/console[^`]*)`").FindAllStringSubmatch(section, -1)
+	if len(routes) != 9 {
+		t.Fatalf("found %d console routes in the section, want 9", len(routes))
+	}
+	for _, route := range routes {
+		path := regexp.MustCompile(`\{([a-z_]+)\}`).ReplaceAllString(route[2], "$1")
+		path = strings.ReplaceAll(path, "ORDER_ID", "ord_x")
+		c := newConsoleClient(ts)
+		c.login(t, testAdminKey, "")
+		var form url.Values
+		if route[1] == "POST" {
+			form = url.Values{"csrf": {csrfTokenOn(t, c.page(t, "/console", http.StatusOK))}, "key": {testAdminKey}}
+		}
+		r := c.do(t, route[1], path, form, nil)
+		if r.Status == http.StatusMethodNotAllowed || r.Status == http.StatusForbidden || strings.Contains(r.Body, "no console route") {
+			t.Errorf("README lists %s %s, which is not routed: %d %s", route[1], route[2], r.Status, r.Body)
+		}
+	}
+
+	html, err := os.ReadFile("console.html")
+	if err != nil {
+		t.Fatal(err)
+	}
+	buttons := 0
+	for _, bold := range regexp.MustCompile(`\*\*([a-z ]+)\*\* button`).FindAllStringSubmatch(section, -1) {
+		buttons++
+		if !strings.Contains(string(html), `>`+bold[1]+`</button>`) {
+			t.Errorf("README names the button %q, which the page does not have", bold[1])
+		}
+	}
+	if buttons != 4 {
+		t.Fatalf("found %d buttons in the section, want retry, replay, resume and finish refunds", buttons)
+	}
+	if !strings.Contains(string(html), ">log out</button>") || !strings.Contains(section, "**log out**") {
+		t.Error("the section and the page disagree on log out")
+	}
+
+	flat := strings.Join(strings.Fields(section), " ")
+	commands := 0
+	for _, m := range regexp.MustCompile("`retrysafe ((?:[a-z]+ ?)+)((?:--[a-z-]+ ?)*)").FindAllStringSubmatch(flat, -1) {
+		commands++
+		path := strings.Fields(m[1])
+		cmd, _, err := newRootCommand().Find(path)
+		if err != nil || cmd.CommandPath() != "retrysafe "+strings.Join(path, " ") {
+			t.Errorf("README names retrysafe %s, which is no command (%v)", m[1], err)
+			continue
+		}
+		for _, flag := range strings.Fields(m[2]) {
+			if cmd.Flags().Lookup(strings.TrimPrefix(flag, "--")) == nil {
+				t.Errorf("README gives %s the flag %s, which it does not have", cmd.CommandPath(), flag)
+			}
+		}
+	}
+	if commands < 7 {
+		t.Fatalf("found %d commands in the section, want serve, the four repairs, trace and check", commands)
+	}
+}
