@@ -478,6 +478,43 @@ func TestConsole(t *testing.T) {
 		}
 	})
 
+	// Ensure an error text from the database is shown as text, never as
+	// markup: a consumer's error can quote anything a message carried.
+	t.Run("EscapesWhatTheDatabaseHolds", func(t *testing.T) {
+		env := MustOpenApp(t)
+		c := newConsoleClient(newAdminTestServer(t, env, testAdminKey))
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(context.Background(), "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New(`<script>alert("x")</script>`)))
+		c.login(t, testAdminKey, "<b>mallory</b>")
+		page := c.page(t, "/console", http.StatusOK)
+		if strings.Contains(page, "<script>") || strings.Contains(page, "<b>mallory") ||
+			!strings.Contains(page, "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;") || !strings.Contains(page, "console (&lt;b&gt;mallory&lt;/b&gt;)") {
+			t.Fatalf("the page does not escape what it shows:\n%s", page)
+		}
+	})
+
+	// Ensure the outcome of a repair of many rows still fits the cookie
+	// that carries it to the page (a browser keeps about 4 KiB), and says
+	// where the rest is.
+	t.Run("LongOutcomeFitsItsCookie", func(t *testing.T) {
+		env := MustOpenApp(t)
+		s := &server{app: env.app, adminKey: testAdminKey}
+		var results []repairResult
+		for i := range 100 {
+			results = append(results, repairResult{Target: fmt.Sprintf("user-42/refund-%d", i), Result: strings.Repeat("finished ", 20)})
+		}
+		flash := s.consoleOutcome(context.Background(), results, nil)
+		if value := s.signedValue("flash", flash); len(value) > 4000 {
+			t.Fatalf("the outcome's cookie is %d bytes", len(value))
+		}
+		if last := flash.Lines[len(flash.Lines)-1]; !strings.Contains(last, "lines more: see repair_log below") {
+			t.Fatalf("last line %q", last)
+		}
+	})
+
 	// Ensure a wrong method or an unknown console path gets its problem.
 	t.Run("Problems", func(t *testing.T) {
 		env := MustOpenApp(t)
