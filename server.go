@@ -78,6 +78,7 @@ func (s *server) routes() http.Handler {
 	mux.HandleFunc("GET /healthz", s.handleHealth)
 	mux.HandleFunc("GET /problems/{name}", s.handleProblemDoc)
 	s.adminRoutes(mux)
+	s.consoleRoutes(mux)
 	// The method-less patterns catch what the ones above do not, so that a
 	// wrong method or path still gets a problem document.
 	allowed := map[string]string{
