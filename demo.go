@@ -404,6 +404,8 @@ func (d *demo) refund(ctx context.Context, orderID string) error {
 // first's transaction, then replays its answer.
 func (d *demo) race(ctx context.Context) error {
 	d.title("Two clients send one new key at the same moment")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	fmt.Fprintf(d.out, "   POST /api/orders  Idempotency-Key: %s  (from clients A and B)\n   %s\n", demoRaceKey, demoRaceBody)
 	type answer struct {
 		result httpResult
@@ -465,6 +467,8 @@ func (d *demo) race(ctx context.Context) error {
 // is free and the retry does the work.
 func (d *demo) droppedConnection(ctx context.Context) error {
 	d.title("The database connection drops in the middle of a request; the retry goes through")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	d.mu.Lock()
 	d.dropAt = faultAfterBusinessWrite
 	d.mu.Unlock()
@@ -506,6 +510,8 @@ func (d *demo) droppedConnection(ctx context.Context) error {
 // the order once.
 func (d *demo) webhookTwice(ctx context.Context, orderID string) error {
 	d.title("The processor sends a webhook twice")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	var chargeID string
 	if err := d.app.db.QueryRowContext(ctx, `SELECT COALESCE(charge_id, '') FROM orders WHERE order_id = ?`, orderID).Scan(&chargeID); err != nil {
 		return fmt.Errorf("read the charge of %s: %w", orderID, err)
@@ -619,16 +625,20 @@ func (d *demo) summary(ctx context.Context) error {
 }
 
 // summaryWithout prints the closing table and the invariants check of a
-// run without a layer, and returns how many invariants broke. The table's
-// wrong rows count as failed checks.
-func (d *demo) summaryWithout(ctx context.Context) (int, error) {
+// run without a layer, and returns how many violations check found, of how
+// many invariants. The table's wrong rows count as failed checks.
+func (d *demo) summaryWithout(ctx context.Context) (violations, invariants int, err error) {
 	d.failed = append(d.failed, d.printSummary(ctx)...)
-	violations, err := audit(ctx, d.app.db, d.clock.now(), true)
+	found, err := audit(ctx, d.app.db, d.clock.now(), true)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	fmt.Fprintln(d.out)
 	// printAudit's error only repeats that there are violations.
-	_ = printAudit(d.out, violations, true)
-	return len(violations), nil
+	_ = printAudit(d.out, found, true)
+	broken := map[string]bool{}
+	for _, v := range found {
+		broken[v.Invariant] = true
+	}
+	return len(found), len(broken), nil
 }

@@ -113,4 +113,8 @@ func TestOperateDrill(t *testing.T) {
 	if out, err := runArgs("check", "--db", target); err != nil {
 		t.Fatalf("check after the drill: %v\n%s", err, out)
 	}
+	// The repair is on the order's record: inspect --order shows who did it.
+	if out, err := runArgs("inspect", "--db", target, "--order", orderID); err != nil || !strings.Contains(out, "repair_log (1 row)") || !strings.Contains(out, "drill") {
+		t.Fatalf("inspect --order after the repair: %v\n%s", err, out)
+	}
 }

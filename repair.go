@@ -280,7 +280,7 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			if err := a.broker.replay(ctx, tx, c.name, msg, id); err != nil {
 				return err
 			}
-			result := fmt.Sprintf("%s was poison for %s (%s); delivered again", msg.Subject, c.name, poison.Error)
+			result := fmt.Sprintf("%s of %s was poison for %s (%s); delivered again", msg.Subject, payloadOrderID(msg.Payload), c.name, poison.Error)
 			target := c.name + "/" + poison.MessageID
 			if err := logRepair(ctx, tx, id, operator, repairInboxReplay, target, result, now); err != nil {
 				return err
@@ -347,15 +347,15 @@ func poisonMessagesOf(ctx context.Context, tx *sql.Tx, target inboxReplayTarget)
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read poison messages: %w", err)
 	}
-	scope := "any consumer"
+	scope := "no consumer has an"
 	if target.Consumer != "" {
-		scope = target.Consumer
+		scope = target.Consumer + " has no"
 	}
 	switch {
 	case len(poison) > 0:
 		return poison, nil
 	case target.MessageID != "" && len(found) == 0:
-		return nil, fmt.Errorf("%w: %s has no inbox record of message %s", errRepairNotFound, scope, target.MessageID)
+		return nil, fmt.Errorf("%w: %s inbox record of message %s", errRepairNotFound, scope, target.MessageID)
 	case target.MessageID != "":
 		return nil, fmt.Errorf("%w: message %s was applied by %s, not poison; only a poison message is delivered again", errRepairRefused, target.MessageID, found[0].Consumer)
 	default:
@@ -522,7 +522,7 @@ func parseSagaStatus(s string) (sagaStatus, error) {
 	case sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed:
 		return sagaStatus(s), nil
 	default:
-		return "", fmt.Errorf("no saga state %q; the states are %s, %s, %s, %s, %s", s,
+		return "", fmt.Errorf("%q is not a saga state; the states are %s, %s, %s, %s, %s", s,
 			sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed)
 	}
 }

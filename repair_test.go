@@ -410,7 +410,7 @@ func TestInboxReplay(t *testing.T) {
 			want   string
 		}{
 			{inboxReplayTarget{Consumer: "billing", AllPoison: true}, errRepairNotFound, `no consumer "billing"`},
-			{inboxReplayTarget{MessageID: "evt_nope"}, errRepairNotFound, "any consumer has no inbox record of message evt_nope"},
+			{inboxReplayTarget{MessageID: "evt_nope"}, errRepairNotFound, "no consumer has an inbox record of message evt_nope"},
 			{inboxReplayTarget{Consumer: orderServiceConsumer, MessageID: applied}, errRepairNotFound, orderServiceConsumer + " has no inbox record"},
 			{inboxReplayTarget{MessageID: applied}, errRepairRefused, "was applied by " + paymentServiceConsumer + ", not poison"},
 			{inboxReplayTarget{AllPoison: true}, errRepairRefused, "no message is poison"},
@@ -625,7 +625,7 @@ func TestSagaResume(t *testing.T) {
 			t.Fatalf("got %v\n%s\nwant no compensation_failed saga among the completed", err, out)
 		}
 		out, err = runTraceCLI(t, "saga", "list", "--db", env.path, "--state", "failed")
-		if err == nil || !strings.Contains(out, `no saga state "failed"; the states are in_progress, compensating, completed, compensated, compensation_failed`) {
+		if err == nil || !strings.Contains(out, `"failed" is not a saga state; the states are in_progress, compensating, completed, compensated, compensation_failed`) {
 			t.Fatalf("got %v\n%s", err, out)
 		}
 	})
