@@ -62,16 +62,20 @@ const (
 // seconds and a run takes a minute instead of ten.
 type leaseTimes struct {
 	relay, ackWait, saga, refundLock time.Duration
+	// publishBackoff is the relay's first wait after a failed publish; it
+	// doubles with each attempt (relayBackoff).
+	publishBackoff time.Duration
 }
 
 // scaledLeaseTimes returns the lease constants multiplied by scale.
 func scaledLeaseTimes(scale float64) leaseTimes {
 	scaled := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
 	return leaseTimes{
-		relay:      scaled(relayLease),
-		ackWait:    scaled(ackWait),
-		saga:       scaled(sagaLease),
-		refundLock: scaled(refundLockTimeout),
+		relay:          scaled(relayLease),
+		publishBackoff: scaled(time.Second),
+		ackWait:        scaled(ackWait),
+		saga:           scaled(sagaLease),
+		refundLock:     scaled(refundLockTimeout),
 	}
 }
 
@@ -109,6 +113,9 @@ type App struct {
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
 	log *slog.Logger
+	// metrics counts what this process does (metrics.go); nil, and free,
+	// unless serve or --metrics-addr asked for them.
+	metrics *metrics
 	// wake wakes the loops when there is work for them (infra_wakeup.go).
 	wake wakeups
 	// idle is how long the loops sleep when they find nothing and nobody

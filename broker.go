@@ -99,7 +99,14 @@ type embeddedBroker struct {
 	// ackWait is how long a delivery waits for its ack before it is
 	// delivered again.
 	ackWait time.Duration
+	// down, set by serve --broker-down and relay --broker-down, makes
+	// every publish fail as if the broker could not be reached: a drill
+	// for the operator's tools (README "Operate it").
+	down bool
 }
+
+// errBrokerDown is every publish's error while the embedded broker is down.
+var errBrokerDown = errors.New("the broker is down (--broker-down): publish refused")
 
 // subscribe makes sure subscriber gets every message on subjects published
 // from now on. Calling it again is harmless.
@@ -122,6 +129,9 @@ func (b *embeddedBroker) subscribe(ctx context.Context, subscriber string, subje
 func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error {
 	if err := b.fault.at(ctx, faultPublish); err != nil {
 		return err
+	}
+	if b.down {
+		return errBrokerDown
 	}
 	if len(msgs) == 0 {
 		return nil

@@ -783,7 +783,7 @@ func printChaosReport(w io.Writer, r chaosReport) {
 	if r.UnavailableWhen != "" {
 		unavailable += "; outside at " + r.UnavailableWhen
 	}
-	row("503 answers (transient, no outcome stored)", unavailable)
+	row("503 answers (transient: retry the key)", unavailable)
 	if len(r.Faults.OutageWindows) > 0 {
 		var windows []string
 		for _, w := range r.Faults.OutageWindows {

@@ -18,6 +18,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"strings"
 	"time"
@@ -33,16 +34,19 @@ const demoAPIKey = "sk_test_demo"
 
 // newDemoCommand builds "retrysafe demo".
 func newDemoCommand() *cobra.Command {
-	var dbPath, brokerURL, without string
+	var dbPath, brokerURL, without, logFormatFlag string
 	var step, trace bool
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the scripted scenario: the same order arrives several times, the result happens once",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
 			opts := demoOptions{dbPath: dbPath, brokerURL: brokerURL}
 			if without != "" {
-				var err error
 				if opts.without, err = parseLayer(without); err != nil {
 					return err
 				}
@@ -64,13 +68,23 @@ func newDemoCommand() *cobra.Command {
 			}
 			opts.pause = pause
 			if trace {
-				opts.trace = cmd.OutOrStdout()
+				// Without the wall clock's time: the story runs on its own
+				// clock.
+				opts.trace = newLogger(cmd.OutOrStdout(), format, &slog.HandlerOptions{
+					ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
+						if attr.Key == slog.TimeKey && len(groups) == 0 {
+							return slog.Attr{}
+						}
+						return attr
+					},
+				})
 			}
 			return runDemoWith(cmd.Context(), cmd.OutOrStdout(), opts)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "", "keep the demo's database: a new SQLite file, or an empty PostgreSQL database's postgres:// URL (for 'retrysafe inspect')")
 	cmd.Flags().BoolVar(&trace, "trace", false, "also log each background action (relay publish, inbox outcome, saga step) as it happens")
+	cmd.Flags().StringVar(&logFormatFlag, "log-format", string(logText), "with --trace: log lines as text (key=value) or json (one object per line)")
 	cmd.Flags().BoolVar(&step, "step", false, "pause before each step, to look at the tables in another terminal")
 	cmd.Flags().StringVar(&without, "without", "", "replace one layer (idempotency, outbox, inbox or saga) by the naive code the article warns against, and watch the story break")
 	cmd.Flags().StringVar(&brokerURL, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker; the demo uses a stream of its own and deletes it")
@@ -390,6 +404,8 @@ func (d *demo) refund(ctx context.Context, orderID string) error {
 // first's transaction, then replays its answer.
 func (d *demo) race(ctx context.Context) error {
 	d.title("Two clients send one new key at the same moment")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	fmt.Fprintf(d.out, "   POST /api/orders  Idempotency-Key: %s  (from clients A and B)\n   %s\n", demoRaceKey, demoRaceBody)
 	type answer struct {
 		result httpResult
@@ -451,6 +467,8 @@ func (d *demo) race(ctx context.Context) error {
 // is free and the retry does the work.
 func (d *demo) droppedConnection(ctx context.Context) error {
 	d.title("The database connection drops in the middle of a request; the retry goes through")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	d.mu.Lock()
 	d.dropAt = faultAfterBusinessWrite
 	d.mu.Unlock()
@@ -492,6 +510,8 @@ func (d *demo) droppedConnection(ctx context.Context) error {
 // the order once.
 func (d *demo) webhookTwice(ctx context.Context, orderID string) error {
 	d.title("The processor sends a webhook twice")
+	// A second later, so that a timeline keeps the steps apart.
+	d.clock.advance(time.Second)
 	var chargeID string
 	if err := d.app.db.QueryRowContext(ctx, `SELECT COALESCE(charge_id, '') FROM orders WHERE order_id = ?`, orderID).Scan(&chargeID); err != nil {
 		return fmt.Errorf("read the charge of %s: %w", orderID, err)
@@ -605,16 +625,20 @@ func (d *demo) summary(ctx context.Context) error {
 }
 
 // summaryWithout prints the closing table and the invariants check of a
-// run without a layer, and returns how many invariants broke. The table's
-// wrong rows count as failed checks.
-func (d *demo) summaryWithout(ctx context.Context) (int, error) {
+// run without a layer, and returns how many violations check found, of how
+// many invariants. The table's wrong rows count as failed checks.
+func (d *demo) summaryWithout(ctx context.Context) (violations, invariants int, err error) {
 	d.failed = append(d.failed, d.printSummary(ctx)...)
-	violations, err := audit(ctx, d.app.db, d.clock.now(), true)
+	found, err := audit(ctx, d.app.db, d.clock.now(), true)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	fmt.Fprintln(d.out)
 	// printAudit's error only repeats that there are violations.
-	_ = printAudit(d.out, violations, true)
-	return len(violations), nil
+	_ = printAudit(d.out, found, true)
+	broken := map[string]bool{}
+	for _, v := range found {
+		broken[v.Invariant] = true
+	}
+	return len(found), len(broken), nil
 }

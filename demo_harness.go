@@ -35,9 +35,9 @@ type demoOptions struct {
 	// the goroutine that reached it: a test holds it there as a
 	// breakpoint would.
 	stop func(ctx context.Context, point faultPoint)
-	// trace, if set, gets a log line for each background action (demo
-	// --trace), as serve logs them.
-	trace io.Writer
+	// trace, if set, logs each background action (demo --trace), as
+	// serve logs them.
+	trace *slog.Logger
 	// without, if set, replaces that layer by the naive code the article
 	// warns against (demo --without).
 	without layer
@@ -154,15 +154,7 @@ func runDemoWith(ctx context.Context, out io.Writer, opts demoOptions) error {
 	app.withoutGroupCommit()
 	app.without = opts.without
 	if opts.trace != nil {
-		// Without the wall clock's time: the story runs on its own clock.
-		app.log = slog.New(slog.NewTextHandler(opts.trace, &slog.HandlerOptions{
-			ReplaceAttr: func(groups []string, attr slog.Attr) slog.Attr {
-				if attr.Key == slog.TimeKey && len(groups) == 0 {
-					return slog.Attr{}
-				}
-				return attr
-			},
-		}))
+		app.log = opts.trace
 	}
 	d.app = app
 	d.ackWait = app.leases.ackWait
@@ -228,18 +220,18 @@ func (d *demo) runWithout(ctx context.Context) error {
 		d.failed = append(d.failed, err.Error())
 		fmt.Fprintf(d.out, "   FAILED: the story could not go on: %v\n", err)
 	}
-	violations, err := d.summaryWithout(ctx)
+	violations, broken, err := d.summaryWithout(ctx)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(d.out, "\n== The hole: without the %s layer ==\n", d.without)
-	fmt.Fprintf(d.out, "   %d checks of the story failed, and check found %d broken invariants.\n", len(d.failed), violations)
+	fmt.Fprintf(d.out, "   %d checks of the story failed, and check found %d violation(s) of %d invariant(s).\n", len(d.failed), violations, broken)
 	if len(d.failed) == 0 && violations == 0 {
 		return fmt.Errorf("without the %s layer the story still passed: the demo no longer shows its hole", d.without)
 	}
 	fmt.Fprintf(d.out, "   What went wrong: %s.\n", h.effect)
 	fmt.Fprintf(d.out, "   The test that catches it: %s\n", h.test)
-	return fmt.Errorf("without the %s layer: %d checks failed, %d invariants broken", d.without, len(d.failed), violations)
+	return fmt.Errorf("without the %s layer: %d checks failed, %d invariants broken", d.without, len(d.failed), broken)
 }
 
 // requestFault is the part of the demo's fault hook that the server's

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -406,6 +407,43 @@ func TestREADMEReadingOrder(t *testing.T) {
 		}
 		if got := strconv.Itoa(bytes.Count(text, []byte("\n"))); got != count[2] {
 			t.Errorf("README says %s has %s lines; it has %s", count[1], count[2], got)
+		}
+	}
+}
+
+// Ensure that in the demo, on SQLite, the way from the HTTP handler to the
+// body of the create transaction passes through no group-commit or
+// PostgreSQL code: a debugger's step from the handler goes straight there.
+func TestDemoCreatePathIsDirect(t *testing.T) {
+	var stack []string
+	stop := func(ctx context.Context, point faultPoint) {
+		if point != faultAfterKeyClaim || stack != nil {
+			return
+		}
+		pcs := make([]uintptr, 64)
+		frames := runtime.CallersFrames(pcs[:runtime.Callers(1, pcs)])
+		for {
+			frame, more := frames.Next()
+			stack = append(stack, frame.Function+" "+filepath.Base(frame.File))
+			if !more {
+				break
+			}
+		}
+	}
+	var out bytes.Buffer
+	if err := runDemoWith(context.Background(), &out, demoOptions{stop: stop}); err != nil {
+		t.Fatalf("demo failed: %v\n%s", err, out.String())
+	}
+	joined := strings.Join(stack, "\n")
+	if !strings.Contains(joined, "handleCreateOrder") {
+		t.Fatalf("the create path's stack does not reach the handler:\n%s", joined)
+	}
+	for _, plumbing := range []string{"infra_groupcommit.go", "infra_postgres.go", "infra_dialect.go", "keyTx"} {
+		for _, frame := range stack {
+			if strings.Contains(frame, plumbing) {
+				t.Errorf("the create path passes through %s:\n%s", plumbing, joined)
+				break
+			}
 		}
 	}
 }

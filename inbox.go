@@ -132,6 +132,9 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
+	if err == nil {
+		a.metrics.inboxOutcome(consumerName, result.Outcome)
+	}
 	return result, err
 }
 
@@ -323,6 +326,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		return nil, err
 	}
 	receiveCtx := a.traceReceive(ctx, c, deliveries, fetched)
+	a.metrics.delivered(c.name, deliveries)
 	var results []receiveResult
 	// processed are the span contexts of each delivery's "process" span, for
 	// the log's trace_id.
@@ -367,6 +371,10 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
 		}
 	}
+	for _, result := range results {
+		a.metrics.inboxOutcome(c.name, result.Outcome)
+	}
+	a.observeFinalStates(ctx, c, deliveries, results)
 	for _, result := range results {
 		if result.Outcome == inboxApplied {
 			// What was applied may have started a saga (startFulfilment);

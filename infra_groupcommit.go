@@ -228,27 +228,12 @@ func runRecovered(fn func(tx *sql.Tx) error, tx *sql.Tx) (outcome groupOutcome) 
 	return groupOutcome{err: fn(tx)}
 }
 
-// keyWriter runs fn, which claims the idempotency key (userID, key), in a
-// transaction that no other claim of the same key can overlap. fn must use
-// the context it is given, not its caller's.
-type keyWriter func(ctx context.Context, userID, key string, fn func(ctx context.Context, tx *sql.Tx) error) error
-
 // groupWriter is the keyWriter of a SQLite App that serves many clients:
 // fn runs in a savepoint of the next group commit (BEGIN IMMEDIATE, one
 // fsync for the whole group).
 func groupWriter(g *groupCommitter) keyWriter {
 	return func(ctx context.Context, userID, key string, fn func(ctx context.Context, tx *sql.Tx) error) error {
 		return g.do(ctx, fn)
-	}
-}
-
-// ownTxWriter is the keyWriter that gives fn a transaction of its own
-// (keyTx): on PostgreSQL always, and on SQLite where one request at a
-// time is the point (the demo, stepped through in a debugger, and the
-// benchmark that measures what group commit saves).
-func ownTxWriter(db *sql.DB) keyWriter {
-	return func(ctx context.Context, userID, key string, fn func(ctx context.Context, tx *sql.Tx) error) error {
-		return keyTx(ctx, db, userID, key, func(tx *sql.Tx) error { return fn(ctx, tx) })
 	}
 }
 

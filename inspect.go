@@ -161,6 +161,16 @@ var inspectedTables = []inspectedTable{
 		ofOrder: `charge_id IN (SELECT charge_id FROM processor_charges WHERE order_id = ?)`,
 		orderBy: `created_at`,
 	},
+	{
+		// Who repaired what (repair.go): the operator's side of the story.
+		name:    "repair_log",
+		columns: `operator, action, target, result, created_at`,
+		brief:   `operator, action, target, created_at`,
+		from:    `repair_log`,
+		// Every repair's result names the order it was for.
+		ofOrder: `result LIKE '%' || CAST(? AS TEXT) || '%'`,
+		orderBy: `created_at, repair_id`,
+	},
 }
 
 // inspectView is which columns inspect shows.

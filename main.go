@@ -122,9 +122,9 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL, stream string
+	var dbPath, addr, durabilityFlag, brokerURL, stream, logFormatFlag string
 	var workers bool
-	var leaseScale float64
+	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -135,7 +135,11 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, leaseScale, clock)
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, drill, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -144,13 +148,15 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced; either way concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
-	addLeaseScaleFlag(cmd, &leaseScale)
+	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
+	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }
 
-// serveConfig reads the server's settings from the environment.
-func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte, err error) {
+// serveConfig reads the server's settings from the environment, and tells
+// say when it falls back to a dev setting.
+func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSecret []byte, err error) {
 	if spec := os.Getenv("RETRYSAFE_API_KEYS"); spec != "" {
 		apiKeys, err = parseAPIKeys(spec)
 		if err != nil {
@@ -158,20 +164,20 @@ func serveConfig(out io.Writer) (apiKeys map[string]string, webhookSecret []byte
 		}
 	} else {
 		apiKeys = map[string]string{devAPIKey: devUserID}
-		fmt.Fprintf(out, "RETRYSAFE_API_KEYS is not set: accepting the dev key %s for %s\n", devAPIKey, devUserID)
+		say(fmt.Sprintf("RETRYSAFE_API_KEYS is not set: accepting the dev key %s for %s", devAPIKey, devUserID))
 	}
 	secret := os.Getenv("RETRYSAFE_WEBHOOK_SECRET")
 	if secret == "" {
 		secret = devWebhookSecret
-		fmt.Fprintf(out, "RETRYSAFE_WEBHOOK_SECRET is not set: webhooks are checked against the dev secret %s\n", devWebhookSecret)
+		say(fmt.Sprintf("RETRYSAFE_WEBHOOK_SECRET is not set: webhooks are checked against the dev secret %s", devWebhookSecret))
 	}
 	return apiKeys, []byte(secret), nil
 }
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, leaseScale float64, clock chaosClockFlags) error {
-	if err := checkLeaseScale(leaseScale); err != nil {
+func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
+	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
@@ -180,15 +186,16 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if err := checkOTLPEndpoint(); err != nil {
 		return err
 	}
-	apiKeys, webhookSecret, err := serveConfig(out)
+	logger := newLogger(out, format, nil)
+	say := func(message string) { notice(out, logger, format, message) }
+	apiKeys, webhookSecret, err := serveConfig(say)
 	if err != nil {
 		return err
 	}
-	adminKey, err := adminKeyConfig(out, apiKeys)
+	adminKey, err := adminKeyConfig(say, apiKeys)
 	if err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewTextHandler(out, nil))
 	// Listen first: a busy port or a bad address fails before any database
 	// file is created.
 	listener, err := net.Listen("tcp", addr)
@@ -209,19 +216,20 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	// It runs at return, once the requests and loops are done: it flushes
 	// their last spans.
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
 	app.log = logger
+	app.enableMetrics()
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, adminKey: adminKey, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
 	if isPostgresURL(dbPath) {
 		durabilityName = "durability set by the server's synchronous_commit"
 	}
-	fmt.Fprintf(out, "retrysafe serving http://%s (database %s, %s, %s)\n", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream))
+	say(fmt.Sprintf("retrysafe serving http://%s (database %s, %s, %s); metrics at /metrics", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream)))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
@@ -263,28 +271,35 @@ func newWorkerCommand() *cobra.Command {
 // process of its own beside serve.
 func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
-	var dbPath, brokerURL, stream string
-	var leaseScale float64
+	var dbPath, brokerURL, stream, metricsAddr, logFormatFlag string
+	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
 		Use:   role,
 		Short: short,
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, leaseScale, clock, start)
+			format, err := parseLogFormat(logFormatFlag)
+			if err != nil {
+				return err
+			}
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, drill, clock, metricsAddr, format, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
-	addLeaseScaleFlag(cmd, &leaseScale)
+	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
+	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
+	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }
 
-// runLoops runs the loops that start starts until ctx is done.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, leaseScale float64, clock chaosClockFlags,
+// runLoops runs the loops that start starts until ctx is done, and serves
+// their metrics on metricsAddr unless it is empty.
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
-	if err := checkLeaseScale(leaseScale); err != nil {
+	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
 	if err := checkBrokerURL(brokerURL); err != nil {
@@ -293,7 +308,17 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	if err := checkOTLPEndpoint(); err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewTextHandler(out, nil))
+	logger := newLogger(out, format, nil)
+	var metricsListener net.Listener
+	if metricsAddr != "" {
+		// As serve does: a busy port fails before anything starts.
+		listener, err := net.Listen("tcp", metricsAddr)
+		if err != nil {
+			return fmt.Errorf("listen on --metrics-addr %s: %w", metricsAddr, err)
+		}
+		defer listener.Close()
+		metricsListener = listener
+	}
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
 	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew))
@@ -306,13 +331,18 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, leaseScale, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
 	var loops sync.WaitGroup
 	app.log = logger
+	if metricsListener != nil {
+		app.enableMetrics()
+		serveMetrics(ctx, &loops, metricsListener, app, logger)
+		logger.Info("serving metrics", "url", "http://"+metricsListener.Addr().String()+"/metrics")
+	}
 	start(ctx, &loops, app, workerName(role), logger)
 	startListener(ctx, &loops, app, dbPath, logger)
 	logger.Info("started", "role", role, "db", redactURL(dbPath), "broker", brokerName(brokerURL, stream))
@@ -321,10 +351,29 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	return nil
 }
 
-// checkLeaseScale rejects a --lease-scale that is not positive.
-func checkLeaseScale(scale float64) error {
-	if scale <= 0 {
-		return fmt.Errorf("--lease-scale must be positive, not %v", scale)
+// drillFlags are --lease-scale and --broker-down, for drills: README
+// "Operate it" breaks the broker and shortens every wait so that a
+// publish gives up in seconds, and the chaos run shortens every lease so
+// that a killed process's work is taken over within seconds.
+type drillFlags struct {
+	leaseScale float64
+	brokerDown bool
+}
+
+// addDrillFlags adds --lease-scale and --broker-down to cmd.
+func addDrillFlags(cmd *cobra.Command, drill *drillFlags) {
+	cmd.Flags().Float64Var(&drill.leaseScale, "lease-scale", 1, "multiply every lease, ack wait and publish backoff by this factor (for drills)")
+	cmd.Flags().BoolVar(&drill.brokerDown, "broker-down", false, "a drill: the embedded broker refuses every publish, as if unreachable")
+}
+
+// check rejects a --lease-scale that is not positive, and --broker-down
+// with NATS (to break NATS, stop its server).
+func (drill drillFlags) check(brokerURL string) error {
+	if drill.leaseScale <= 0 {
+		return fmt.Errorf("--lease-scale must be positive, not %v", drill.leaseScale)
+	}
+	if drill.brokerDown && brokerURL != "" {
+		return errors.New("--broker-down breaks the embedded broker; to break NATS, stop the NATS server")
 	}
 	return nil
 }
@@ -332,8 +381,11 @@ func checkLeaseScale(scale float64) error {
 // startProcess readies app for a long-running process (serve, relay,
 // worker): its leases, its broker, its consumers' subscriptions. It returns
 // what closes the broker.
-func startProcess(ctx context.Context, app *App, leaseScale float64, brokerURL, stream string) (func(), error) {
-	app.setLeaseTimes(scaledLeaseTimes(leaseScale))
+func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string) (func(), error) {
+	app.setLeaseTimes(scaledLeaseTimes(drill.leaseScale))
+	if embedded, ok := app.broker.(*embeddedBroker); ok {
+		embedded.down = drill.brokerDown
+	}
 	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
 	if err != nil {
 		return nil, err
@@ -393,14 +445,6 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 	}
 	app.broker = broker
 	return broker.close, nil
-}
-
-// addLeaseScaleFlag adds the hidden --lease-scale flag: the chaos run
-// shortens every lease so that a killed process's work is taken over within
-// seconds. Nobody else should need it.
-func addLeaseScaleFlag(cmd *cobra.Command, scale *float64) {
-	cmd.Flags().Float64Var(scale, "lease-scale", 1, "multiply every lease and ack wait by this factor")
-	cmd.Flags().MarkHidden("lease-scale")
 }
 
 // chaosClockFlags are the hidden --clock-file and --clock-skew.

@@ -21,6 +21,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Event types, and the payload each carries.
@@ -131,10 +133,11 @@ func insertOutboxEvent(ctx context.Context, tx *sql.Tx, event outboxEvent, now t
 }
 
 // relayBackoff is how long the relay waits before it tries an event again
-// after its attempts-th failure: 1s, 2s, 4s ... at most 5 minutes.
-func relayBackoff(attempts int) time.Duration {
-	backoff := time.Second << min(attempts-1, 9)
-	return min(backoff, 5*time.Minute)
+// after its attempts-th failure: base (1 s, or less under --lease-scale),
+// then twice as long each time, at most 300 times base (5 minutes).
+func relayBackoff(base time.Duration, attempts int) time.Duration {
+	backoff := base << min(attempts-1, 9)
+	return min(backoff, 300*base)
 }
 
 // claimOutboxEvents leases up to limit publishable events to relayID. An
@@ -248,6 +251,7 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	for _, event := range events {
 		log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
 	}
+	a.metrics.published(len(events))
 	return len(events), nil
 }
 
@@ -292,14 +296,28 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 	if attempts >= maxPublishAttempts {
 		status = outboxFailed
 	}
-	_, err := a.db.ExecContext(ctx, `
+	recorded, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
 		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?, claimed_by = NULL, claimed_until = NULL
 		WHERE event_id = ? AND status = 'pending' AND claimed_by = ? AND lease_token = ?`,
-		status, attempts, formatTime(a.now().Add(relayBackoff(attempts))), publishErr.Error(),
+		status, attempts, formatTime(a.now().Add(relayBackoff(a.leases.publishBackoff, attempts))), publishErr.Error(),
 		event.EventID, relayID, event.LeaseToken)
 	if err != nil {
 		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
+	}
+	n, err := recorded.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
+	}
+	if n == 0 {
+		// Not ours any more: the relay that holds the claim records it.
+		return nil
+	}
+	// ctx carries the relay's send span (startSendSpan).
+	withTraceID(a.log, trace.SpanContextFromContext(ctx)).Warn("relay publish failed", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID,
+		"attempts", attempts, "status", string(status), "error", publishErr.Error())
+	if status == outboxPending {
+		a.metrics.publishRetried()
 	}
 	return nil
 }

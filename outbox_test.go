@@ -122,7 +122,7 @@ func TestOutbox(t *testing.T) {
 			if n, _ := env.app.relayOnce(ctx, "relay-1", relayBatchSize); n != 0 {
 				t.Fatalf("attempt %d: retried before its backoff", attempt)
 			}
-			env.clock.advance(relayBackoff(attempt))
+			env.clock.advance(relayBackoff(time.Second, attempt))
 		}
 		if got := env.str(t, `SELECT status || ':' || attempts || ':' || last_error FROM outbox_events`); got != "failed:10:broker unreachable" {
 			t.Fatalf("got %s, want failed:10:broker unreachable", got)
@@ -156,7 +156,7 @@ func TestOutbox(t *testing.T) {
 			if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
 				t.Fatal(err)
 			}
-			env.clock.advance(relayBackoff(1))
+			env.clock.advance(relayBackoff(time.Second, 1))
 		}
 		rows, err := env.app.db.Query(`SELECT subject FROM broker_messages ORDER BY seq`)
 		if err != nil {

@@ -34,6 +34,7 @@ const (
 	problemInternal           problemType = "/problems/internal"
 	problemAdminDisabled      problemType = "/problems/admin-disabled"
 	problemRepairRefused      problemType = "/problems/repair-refused"
+	problemForbidden          problemType = "/problems/forbidden"
 )
 
 // problemDocs explains each problem type to a person who follows its URI.
@@ -57,6 +58,7 @@ var problemDocs = map[problemType]string{
 	problemBadSignature:       "The webhook's Retrysafe-Signature header is missing, wrong or too old.",
 	problemInternal:           "An unexpected error. Retry with the same Idempotency-Key to get the request's outcome.",
 	problemAdminDisabled:      "The /admin endpoints are off. Start serve with RETRYSAFE_ADMIN_KEY set and send Authorization: Bearer <that key>; customers' API keys never open them.",
+	problemForbidden:          "The console refused a request that did not come from its own page: sent by another site, or without the session's token. Nothing was changed; reload /console and press the button there.",
 	problemRepairRefused:      "The repair would change a row that is not in the state it repairs (an event that did not fail, a message that is not poison, a saga whose compensation did not fail). Nothing was changed; the detail says what the row is.",
 }
 

@@ -47,6 +47,8 @@ type Processor struct {
 	now   func() time.Time
 	newID func(prefix string) string
 	fault faultHook
+	// metrics counts the calls, as the caller sees them; nil for none.
+	metrics *metrics
 }
 
 // chargeRequest is one call to charge.
@@ -64,8 +66,9 @@ type chargeRequest struct {
 // (the charge may exist: retry with the same key to learn its id).
 func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, error) {
 	var chargeID, status string
-	var firstCall bool
+	var firstCall, keyHit bool
 	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+		keyHit = false
 		var orderID, currency, paymentMethod string
 		var amount int64
 		err := tx.QueryRowContext(ctx, `
@@ -81,6 +84,7 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 			if err != nil {
 				return fmt.Errorf("processor: count key hit: %w", err)
 			}
+			keyHit = true
 			return nil
 		case errors.Is(err, sql.ErrNoRows):
 			// First time this key is seen: do the work.
@@ -105,6 +109,7 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 		}
 		return nil
 	})
+	p.metrics.processorCalled(processorCharge, err == nil && keyHit)
 	if err != nil {
 		return "", err
 	}
@@ -122,7 +127,9 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 // errProcessorTimeout when the response was lost.
 func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string, amountCents int64) (string, error) {
 	var refundID string
+	var keyHit bool
 	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+		keyHit = false
 		var existingCharge string
 		var existingAmount int64
 		err := tx.QueryRowContext(ctx, `
@@ -137,6 +144,7 @@ func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string,
 			if err != nil {
 				return fmt.Errorf("processor: count key hit: %w", err)
 			}
+			keyHit = true
 			return nil
 		case errors.Is(err, sql.ErrNoRows):
 		default:
@@ -163,6 +171,7 @@ func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string,
 		}
 		return nil
 	})
+	p.metrics.processorCalled(processorRefund, err == nil && keyHit)
 	if err != nil {
 		return "", err
 	}

@@ -561,6 +561,12 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 	var failures []error
 	for _, req := range abandoned {
 		err := a.completeRefund(ctx, req)
+		orderID, _ := orderIDFromRefundPath(req.Path)
+		if err == nil {
+			a.log.Info("refund completer", "order_id", orderID, "user_id", req.UserID, "idempotency_key", req.IdempotencyKey, "outcome", "finished")
+		} else {
+			a.log.Warn("refund completer", "order_id", orderID, "user_id", req.UserID, "idempotency_key", req.IdempotencyKey, "outcome", "not finished", "error", err.Error())
+		}
 		switch {
 		case err == nil:
 			finished++

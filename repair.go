@@ -280,7 +280,7 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			if err := a.broker.replay(ctx, tx, c.name, msg, id); err != nil {
 				return err
 			}
-			result := fmt.Sprintf("%s was poison for %s (%s); delivered again", msg.Subject, c.name, poison.Error)
+			result := fmt.Sprintf("%s of %s was poison for %s (%s); delivered again", msg.Subject, payloadOrderID(msg.Payload), c.name, poison.Error)
 			target := c.name + "/" + poison.MessageID
 			if err := logRepair(ctx, tx, id, operator, repairInboxReplay, target, result, now); err != nil {
 				return err
@@ -347,15 +347,15 @@ func poisonMessagesOf(ctx context.Context, tx *sql.Tx, target inboxReplayTarget)
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read poison messages: %w", err)
 	}
-	scope := "any consumer"
+	scope := "no consumer has an"
 	if target.Consumer != "" {
-		scope = target.Consumer
+		scope = target.Consumer + " has no"
 	}
 	switch {
 	case len(poison) > 0:
 		return poison, nil
 	case target.MessageID != "" && len(found) == 0:
-		return nil, fmt.Errorf("%w: %s has no inbox record of message %s", errRepairNotFound, scope, target.MessageID)
+		return nil, fmt.Errorf("%w: %s inbox record of message %s", errRepairNotFound, scope, target.MessageID)
 	case target.MessageID != "":
 		return nil, fmt.Errorf("%w: message %s was applied by %s, not poison; only a poison message is delivered again", errRepairRefused, target.MessageID, found[0].Consumer)
 	default:
@@ -522,7 +522,7 @@ func parseSagaStatus(s string) (sagaStatus, error) {
 	case sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed:
 		return sagaStatus(s), nil
 	default:
-		return "", fmt.Errorf("no saga state %q; the states are %s, %s, %s, %s, %s", s,
+		return "", fmt.Errorf("%q is not a saga state; the states are %s, %s, %s, %s, %s", s,
 			sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed)
 	}
 }
@@ -987,10 +987,10 @@ func newRefundCommand() *cobra.Command {
 // adminKeyConfig reads RETRYSAFE_ADMIN_KEY for serve. Unset, the admin
 // endpoints are off. Returns an error if the admin key is also a
 // customer's API key: a customer's key must never open /admin.
-func adminKeyConfig(out io.Writer, apiKeys map[string]string) (string, error) {
+func adminKeyConfig(say func(message string), apiKeys map[string]string) (string, error) {
 	adminKey := os.Getenv("RETRYSAFE_ADMIN_KEY")
 	if adminKey == "" {
-		fmt.Fprintln(out, "RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
+		say("RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
 		return "", nil
 	}
 	if user, ok := apiKeys[adminKey]; ok {

@@ -410,7 +410,7 @@ func TestInboxReplay(t *testing.T) {
 			want   string
 		}{
 			{inboxReplayTarget{Consumer: "billing", AllPoison: true}, errRepairNotFound, `no consumer "billing"`},
-			{inboxReplayTarget{MessageID: "evt_nope"}, errRepairNotFound, "any consumer has no inbox record of message evt_nope"},
+			{inboxReplayTarget{MessageID: "evt_nope"}, errRepairNotFound, "no consumer has an inbox record of message evt_nope"},
 			{inboxReplayTarget{Consumer: orderServiceConsumer, MessageID: applied}, errRepairNotFound, orderServiceConsumer + " has no inbox record"},
 			{inboxReplayTarget{MessageID: applied}, errRepairRefused, "was applied by " + paymentServiceConsumer + ", not poison"},
 			{inboxReplayTarget{AllPoison: true}, errRepairRefused, "no message is poison"},
@@ -625,7 +625,7 @@ func TestSagaResume(t *testing.T) {
 			t.Fatalf("got %v\n%s\nwant no compensation_failed saga among the completed", err, out)
 		}
 		out, err = runTraceCLI(t, "saga", "list", "--db", env.path, "--state", "failed")
-		if err == nil || !strings.Contains(out, `no saga state "failed"; the states are in_progress, compensating, completed, compensated, compensation_failed`) {
+		if err == nil || !strings.Contains(out, `"failed" is not a saga state; the states are in_progress, compensating, completed, compensated, compensation_failed`) {
 			t.Fatalf("got %v\n%s", err, out)
 		}
 	})
@@ -806,12 +806,12 @@ func TestAdminAPI(t *testing.T) {
 	// customer's API key.
 	t.Run("AdminKeyMustNotBeACustomerKey", func(t *testing.T) {
 		t.Setenv("RETRYSAFE_ADMIN_KEY", keyUser42)
-		_, err := adminKeyConfig(io.Discard, map[string]string{keyUser42: "user-42"})
+		_, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"})
 		if err == nil || !strings.Contains(err.Error(), "also the API key of user-42") {
 			t.Fatalf("got %v", err)
 		}
 		t.Setenv("RETRYSAFE_ADMIN_KEY", testAdminKey)
-		if key, err := adminKeyConfig(io.Discard, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
+		if key, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
 			t.Fatalf("got %q, %v", key, err)
 		}
 	})

@@ -414,9 +414,17 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 	wroteEvent := false
 	for i, run := range runs {
 		endSagaSpan(run, nexts[i])
-		if run.stepOK {
-			withTraceID(a.log, run.span.SpanContext()).Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
+		log := withTraceID(a.log, run.span.SpanContext())
+		switch {
+		case run.stepOK:
+			log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
 				"step", run.step.Name, "then", nexts[i].String())
+		case run.saga.Status == sagaCompensating && nexts[i] == sagaWroteEvent:
+			// Every step undone: finishCompensation wrote OrderCancelled.
+			log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
+		}
+		if nexts[i] == sagaCompensatedStep {
+			a.metrics.compensated(run.step.Name)
 		}
 		if asides[i] != nil {
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))

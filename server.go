@@ -80,6 +80,7 @@ func (s *server) routes() http.Handler {
 	mux.HandleFunc("GET /healthz", s.handleHealth)
 	mux.HandleFunc("GET /problems/{name}", s.handleProblemDoc)
 	s.adminRoutes(mux)
+	s.consoleRoutes(mux)
 	// The method-less patterns catch what the ones above do not, so that a
 	// wrong method or path still gets a problem document.
 	allowed := map[string]string{
@@ -88,6 +89,10 @@ func (s *server) routes() http.Handler {
 		"/api/orders/{id}/refund": "POST",
 		"/webhooks/processor":     "POST",
 		"/healthz":                "GET",
+	}
+	if s.app.metrics != nil {
+		mux.Handle("GET /metrics", s.app.metrics.handler(s.logger))
+		allowed["/metrics"] = "GET"
 	}
 	for path, methods := range allowed {
 		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
@@ -129,18 +134,23 @@ func (r *statusRecorder) WriteHeader(status int) {
 	r.ResponseWriter.WriteHeader(status)
 }
 
-// logRequests logs one line per request.
+// logRequests logs one line per request, and counts it in the metrics.
 func (s *server) logRequests(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		recorder := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
 		next.ServeHTTP(recorder, r)
+		elapsed := time.Since(start)
+		replayed := recorder.Header().Get("Idempotent-Replayed") == "true"
+		// The mux set r.Pattern when it routed the request: the route, not
+		// the path with its order id.
+		s.app.metrics.observeRequest(r.Pattern, recorder.status, replayed, elapsed)
 		s.logger.Info("request",
 			"method", r.Method,
 			"path", r.URL.Path,
 			"status", recorder.status,
-			"replayed", recorder.Header().Get("Idempotent-Replayed") == "true",
-			"duration", time.Since(start).Round(time.Microsecond))
+			"replayed", replayed,
+			"duration", elapsed.Round(time.Microsecond))
 	})
 }
 

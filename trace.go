@@ -493,15 +493,21 @@ func (t *orderTrace) addRefunds(ctx context.Context, db *sql.DB) error {
 		return fmt.Errorf("read refunds: %w", err)
 	}
 	for _, r := range refunds {
+		if r.source == "webhook" {
+			// Made at the processor (its dashboard, another system): we
+			// never called; its charge.refunded webhook told us.
+			t.add(r.createdAt, phaseRefund, traceProcessor, traceAPI, "charge.refunded: refund %s of %d made at the processor, recorded as %s (now %s)",
+				r.processorRefundID.String, r.amount, r.id, r.status)
+			continue
+		}
 		t.add(r.createdAt, phaseRefund, traceAPI, traceAPI, "refund %s of %d written before the call (%s, now %s)", r.id, r.amount, r.source, r.status)
 		// processor_refunds has no currency; the charge's is the same. An
-		// API refund calls with key refund:<refund_id>; a refund made at
-		// the processor's dashboard is found by the id its webhook gave.
+		// API refund calls with key refund:<refund_id>.
 		if err := t.addProcessorCalls(ctx, db, `
 			SELECT p.refund_id, p.idempotency_key, p.amount_cents, c.currency, 'refunded', p.key_hits, p.created_at
 			FROM processor_refunds p JOIN processor_charges c ON c.charge_id = p.charge_id
-			WHERE p.idempotency_key = ? OR p.refund_id = ?`, phaseRefund, traceAPI, "refund",
-			"refund:"+r.id, r.processorRefundID.String); err != nil {
+			WHERE p.idempotency_key = ?`, phaseRefund, traceAPI, "refund",
+			"refund:"+r.id); err != nil {
 			return err
 		}
 	}
@@ -581,7 +587,9 @@ func printTrace(w io.Writer, t *orderTrace) error {
 		line := fmt.Sprintf("%s%s  %-*s  %s", mark, formatAt(row.at), arrowWidth, row.from+" -> "+row.to, shortIDs(row.text))
 		fmt.Fprintln(&buf, fitWidth(line))
 	}
-	fmt.Fprintln(&buf, fitWidth(fmt.Sprintf(" %s  final: %s", formatAt(t.finalAt), shortIDs(t.final))))
+	// The final state is a summary, not a row: it is printed last, with
+	// the time the order last changed, which an earlier row may follow.
+	fmt.Fprintln(&buf, fitWidth(fmt.Sprintf(" final: %s (since %s)", shortIDs(t.final), formatAt(t.finalAt))))
 	for _, o := range orderedBy {
 		fmt.Fprintln(&buf, fitWidth("~ "+o))
 	}

@@ -183,7 +183,10 @@ func TestTrace(t *testing.T) {
 					count(`SELECT COALESCE(SUM(1 + key_hits), 0) FROM processor_charges WHERE order_id = ?`)},
 				{"processor refunds", arrowsLike("", "Processor", `^refund\b`),
 					count(`SELECT COALESCE(SUM(1 + p.key_hits), 0) FROM processor_refunds p
-					       JOIN processor_charges c ON c.charge_id = p.charge_id WHERE c.order_id = ?`)},
+					       JOIN processor_charges c ON c.charge_id = p.charge_id WHERE c.order_id = ?
+					       AND NOT EXISTS (SELECT 1 FROM refunds r WHERE r.processor_refund_id = p.refund_id AND r.source = 'webhook')`)},
+				{"refunds made at the processor", arrowsLike("Processor", "API", `^charge\.refunded: `),
+					count(`SELECT COUNT(*) FROM refunds WHERE order_id = ? AND source = 'webhook'`)},
 				{"lines of the text timeline", len(arrows),
 					len(regexp.MustCompile(`(?m)^[ ~](?:\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d\.\d\d\d  \S.* -> `).FindAllString(text, -1))},
 			}

@@ -398,9 +398,11 @@ func mustAllReachTrace(tb testing.TB, spans tracetest.SpanStubs, root trace.Trac
 func mustLogTraceIDs(tb testing.TB, logs []byte, spans tracetest.SpanStubs) {
 	tb.Helper()
 	spanPrefix := map[string][]string{
-		"relay published": {"send "},
-		"inbox":           {"process ", "receive "},
-		"saga step":       {"saga "},
+		"relay published":      {"send "},
+		"inbox":                {"process ", "receive "},
+		"saga step":            {"saga "},
+		"saga compensated":     {"saga "},
+		"relay publish failed": {"send "},
 	}
 	lines := 0
 	for _, line := range bytes.Split(bytes.TrimSpace(logs), []byte("\n")) {
