@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // Durations and limits of the protocol. Each says why it has its value.
@@ -119,6 +121,10 @@ type App struct {
 	// idle is how long the loops sleep when they find nothing and nobody
 	// wakes them: the safety net for a signal that never came.
 	idle idleTimes
+	// tracerProvider makes the spans that follow an order through every
+	// layer (tracing.go): a no-op one unless serve, relay or worker found
+	// OTEL_EXPORTER_OTLP_ENDPOINT set.
+	tracerProvider trace.TracerProvider
 }
 
 // idleTimes are the loops' sleeps when idle. Production uses relayIdle and
@@ -157,6 +163,8 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		writeTx:   writeTx,
 		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
 		log:       slog.New(slog.DiscardHandler),
+
+		tracerProvider: noop.NewTracerProvider(),
 	}
 	var consumerNames []string
 	for _, c := range app.consumers() {

@@ -34,6 +34,9 @@ type message struct {
 	ID      string
 	Subject string
 	Payload []byte
+	// Trace is the event's creation context, copied from the outbox row
+	// (tracing.go): the consumer's spans link to it.
+	Trace traceContext
 }
 
 // delivery is one handing of a message to one subscriber.
@@ -84,6 +87,8 @@ type messageBroker interface {
 	// replay delivers msg, which subscriber recorded as poison, to it
 	// again, as part of the repair transaction tx (repair.go).
 	replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error
+	// system names the broker as the spans' messaging.system (tracing.go).
+	system() string
 }
 
 // embeddedBroker is the embedded broker over the broker_* tables.
@@ -133,19 +138,21 @@ func (b *embeddedBroker) publishBatch(ctx context.Context, msgs []message) error
 	}
 	now := formatTime(b.now())
 	values := make([]string, len(msgs))
-	args := make([]any, 0, 4*len(msgs))
+	args := make([]any, 0, 6*len(msgs))
 	ids := make([]any, 0, len(msgs)+1)
 	ids = append(ids, now)
 	for i, msg := range msgs {
-		values[i] = "(?, ?, ?, ?)"
-		args = append(args, msg.ID, msg.Subject, msg.Payload, now)
+		values[i] = "(?, ?, ?, ?, ?, ?)"
+		traceparent, tracestate := msg.Trace.columns()
+		args = append(args, msg.ID, msg.Subject, msg.Payload, now, traceparent, tracestate)
 		ids = append(ids, msg.ID)
 	}
 	// Two statements per batch, however large: a round trip per message
 	// is what a database across the network (PostgreSQL) makes expensive.
 	return withTx(ctx, b.db, func(tx *sql.Tx) error {
 		_, err := tx.ExecContext(ctx, `
-			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES `+strings.Join(values, ", ")+`
+			INSERT INTO broker_messages (message_id, subject, payload, published_at, traceparent, tracestate)
+			VALUES `+strings.Join(values, ", ")+`
 			ON CONFLICT (message_id) DO UPDATE SET duplicates = broker_messages.duplicates + 1`,
 			args...)
 		if err != nil {
@@ -200,11 +207,13 @@ func (b *embeddedBroker) fetch(ctx context.Context, subscriber string, max int) 
 			return fmt.Errorf("fetch for %s: %w", subscriber, err)
 		}
 		for i := range deliveries {
-			err := tx.QueryRowContext(ctx, `SELECT message_id, subject, payload FROM broker_messages WHERE seq = ?`,
-				deliveries[i].Seq).Scan(&deliveries[i].ID, &deliveries[i].Subject, &deliveries[i].Payload)
+			var traceparent, tracestate sql.NullString
+			err := tx.QueryRowContext(ctx, `SELECT message_id, subject, payload, traceparent, tracestate FROM broker_messages WHERE seq = ?`,
+				deliveries[i].Seq).Scan(&deliveries[i].ID, &deliveries[i].Subject, &deliveries[i].Payload, &traceparent, &tracestate)
 			if err != nil {
 				return fmt.Errorf("read message %d: %w", deliveries[i].Seq, err)
 			}
+			deliveries[i].Trace = traceContextFrom(traceparent, tracestate)
 		}
 		return nil
 	})

@@ -22,6 +22,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // inboxOutcome says what happened to one delivery.
@@ -316,15 +318,22 @@ const nakTimeout = 5 * time.Second
 // paused past ackWait) is not an error: what was committed stands, and the
 // consumer that holds the delivery now acks it.
 func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveResult, error) {
+	// When the fetch began, for its "receive" span: a span's times are the
+	// wall clock's, not the App's.
+	fetched := time.Now()
 	deliveries, err := a.broker.fetch(ctx, c.name, max)
 	if err != nil || len(deliveries) == 0 {
 		return nil, err
 	}
+	receiveCtx := a.traceReceive(ctx, c, deliveries, fetched)
 	a.metrics.delivered(c.name, deliveries)
 	var results []receiveResult
+	// processed are the span contexts of each delivery's "process" span, for
+	// the log's trace_id.
+	var processed []trace.SpanContext
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
-		results = nil
-		for _, d := range deliveries {
+		results, processed = nil, make([]trace.SpanContext, len(deliveries))
+		for i, d := range deliveries {
 			if d.Malformed != nil {
 				// The broker could not make a message of it (no id to
 				// deduplicate by): poison for this consumer, under the id
@@ -335,9 +344,12 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 				}
 				continue
 			}
-			result, err := a.receiveIn(ctx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
-				return c.apply(ctx, tx, d.message)
+			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
+			processed[i] = span.SpanContext()
+			result, err := a.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+				return c.apply(processCtx, tx, d.message)
 			})
+			endProcessSpan(span, result, err)
 			if err != nil {
 				return err
 			}
@@ -355,7 +367,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	}
 	if a.log.Enabled(ctx, slog.LevelInfo) {
 		for i, d := range deliveries {
-			a.log.Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
+			withTraceID(a.log, processed[i]).Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
 				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
 		}
 	}

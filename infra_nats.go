@@ -147,6 +147,14 @@ func (b *natsBroker) publishBatch(ctx context.Context, msgs []message) error {
 	for _, msg := range msgs {
 		natsMsg := nats.NewMsg(b.subject(msg.Subject))
 		natsMsg.Header.Set(jetstream.MsgIDHeader, msg.ID)
+		// The event's creation context travels as W3C Trace Context
+		// headers (tracing.go).
+		if msg.Trace.TraceParent != "" {
+			natsMsg.Header.Set("traceparent", msg.Trace.TraceParent)
+		}
+		if msg.Trace.TraceState != "" {
+			natsMsg.Header.Set("tracestate", msg.Trace.TraceState)
+		}
 		natsMsg.Data = msg.Payload
 		future, err := b.js.PublishMsgAsync(natsMsg)
 		if err != nil {
@@ -240,6 +248,10 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 					ID:      id,
 					Subject: strings.TrimPrefix(natsMsg.Subject(), b.prefix+"."),
 					Payload: natsMsg.Data(),
+					Trace: traceContext{
+						TraceParent: natsMsg.Headers().Get("traceparent"),
+						TraceState:  natsMsg.Headers().Get("tracestate"),
+					},
 				},
 				Subscriber:    subscriber,
 				Seq:           int64(metadata.Sequence.Stream),

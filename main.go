@@ -183,6 +183,9 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
+	if err := checkOTLPEndpoint(); err != nil {
+		return err
+	}
 	logger := newLogger(out, format, nil)
 	say := func(message string) { notice(out, logger, format, message) }
 	apiKeys, webhookSecret, err := serveConfig(say)
@@ -206,6 +209,13 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer db.Close()
 	app := newApp(db, processClock(clock.file, clock.skew), nil, nil)
+	stopTracing, err := startTracing(ctx, app, out, "serve", workerName("serve"))
+	if err != nil {
+		return err
+	}
+	// It runs at return, once the requests and loops are done: it flushes
+	// their last spans.
+	defer stopTracing()
 	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err
@@ -295,6 +305,9 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
+	if err := checkOTLPEndpoint(); err != nil {
+		return err
+	}
 	logger := newLogger(out, format, nil)
 	var metricsListener net.Listener
 	if metricsAddr != "" {
@@ -313,6 +326,11 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer app.db.Close()
+	stopTracing, err := startTracing(ctx, app, out, role, workerName(role))
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
 	if err != nil {
 		return err

@@ -21,6 +21,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Event types, and the payload each carries.
@@ -89,6 +91,9 @@ type outboxEvent struct {
 	// LeaseToken is the event's lease_token after the relay's claim: the
 	// relay's marks take effect only while it still matches.
 	LeaseToken int64
+	// Trace is the event's creation context (tracing.go), which the relay
+	// copies into the message.
+	Trace traceContext
 }
 
 // newOutboxEvent returns an event with a fresh event_id. The event_id is the
@@ -107,15 +112,21 @@ func (a *App) newOutboxEvent(eventType, aggregateID string, payload any) (outbox
 }
 
 // insertOutboxEvent writes event in tx: it is published if and only if the
-// rest of tx commits.
+// rest of tx commits. Its "create" span, a child of ctx's span, is its
+// creation context, stored with it (tracing.go).
 func insertOutboxEvent(ctx context.Context, tx *sql.Tx, event outboxEvent, now time.Time) error {
+	creation, span := startCreateSpan(ctx, event)
+	defer span.End()
+	traceparent, tracestate := creation.columns()
 	_, err := tx.ExecContext(ctx, `
-		INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?)`,
+		INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at,
+		                           traceparent, tracestate)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 		event.EventID, event.EventType, event.AggregateID, event.Payload, outboxPending,
-		formatTime(now), formatTime(now),
+		formatTime(now), formatTime(now), traceparent, tracestate,
 	)
 	if err != nil {
+		failSpan(span, err)
 		return fmt.Errorf("insert outbox event: %w", err)
 	}
 	return nil
@@ -161,7 +172,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 					  AND earlier.status <> 'published')
 				ORDER BY e.seq
 				LIMIT ? `+dialectOf(a.db).skipLocked+`)
-			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts, lease_token`,
+			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts, lease_token, traceparent, tracestate`,
 			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
 		if err != nil {
 			return fmt.Errorf("claim outbox events: %w", err)
@@ -169,9 +180,12 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 		defer rows.Close()
 		for rows.Next() {
 			var event outboxEvent
-			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken); err != nil {
+			var traceparent, tracestate sql.NullString
+			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken,
+				&traceparent, &tracestate); err != nil {
 				return fmt.Errorf("scan outbox event: %w", err)
 			}
+			event.Trace = traceContextFrom(traceparent, tracestate)
 			events = append(events, event)
 		}
 		return rows.Err()
@@ -200,12 +214,17 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	if len(events) == 0 {
 		return 0, nil
 	}
+	ctx, span := a.startSendSpan(ctx, relayID, events)
+	defer span.End()
 	msgs := make([]message, len(events))
 	for i, event := range events {
-		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload}
+		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
 	}
 	// One batch: a broker round trip per batch, not per event.
 	err = a.broker.publishBatch(ctx, msgs)
+	if err != nil {
+		failSpan(span, err)
+	}
 	if errors.Is(err, errCrash) {
 		return 0, err
 	}
@@ -221,13 +240,16 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int
 	// wait for their next poll.
 	a.wake.published()
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
+		failSpan(span, err)
 		return 0, err
 	}
 	if err := a.markPublished(ctx, relayID, events); err != nil {
+		failSpan(span, err)
 		return 0, err
 	}
+	log := withTraceID(a.log, span.SpanContext())
 	for _, event := range events {
-		a.log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
+		log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
 	}
 	a.metrics.published(len(events))
 	return len(events), nil
@@ -291,7 +313,8 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 		// Not ours any more: the relay that holds the claim records it.
 		return nil
 	}
-	a.log.Warn("relay publish failed", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID,
+	// ctx carries the relay's send span (startSendSpan).
+	withTraceID(a.log, trace.SpanContextFromContext(ctx)).Warn("relay publish failed", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID,
 		"attempts", attempts, "status", string(status), "error", publishErr.Error())
 	if status == outboxPending {
 		a.metrics.publishRetried()

@@ -30,6 +30,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // paymentServiceConsumer is the payment service's subscription.
@@ -103,6 +105,9 @@ type sagaRow struct {
 	Attempts      int
 	FailureReason sql.NullString
 	LastError     sql.NullString
+	// Trace is the creation context of the OrderCreated that started the
+	// saga: each step's span links to it (tracing.go).
+	Trace traceContext
 }
 
 // sagaStepRow is a row of saga_steps.
@@ -152,10 +157,14 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	now := formatTime(a.now())
 	sagaID := a.newID("saga")
 	steps := fulfilmentSteps()
+	// The steps run later, each in a span of its own that links to the
+	// message's creation context: the saga keeps it.
+	traceparent, tracestate := msg.Trace.columns()
 	_, err := tx.ExecContext(ctx, `
-		INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?)`,
-		sagaID, payload.OrderID, sagaInProgress, steps[0], now, now, now)
+		INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at,
+		                            traceparent, tracestate)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		sagaID, payload.OrderID, sagaInProgress, steps[0], now, now, now, traceparent, tracestate)
 	if isUniqueViolation(err) {
 		// A second OrderCreated for the same order (another event id) must
 		// not start a second saga.
@@ -182,13 +191,16 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 // readSaga reads a saga and its steps in step order.
 func readSaga(ctx context.Context, q queryer, sagaID string) (sagaRow, []sagaStepRow, error) {
 	var saga sagaRow
+	var traceparent, tracestate sql.NullString
 	err := q.QueryRowContext(ctx, `
-		SELECT saga_id, order_id, status, current_step, attempts, failure_reason, last_error
+		SELECT saga_id, order_id, status, current_step, attempts, failure_reason, last_error, traceparent, tracestate
 		FROM saga_instances WHERE saga_id = ?`, sagaID,
-	).Scan(&saga.SagaID, &saga.OrderID, &saga.Status, &saga.CurrentStep, &saga.Attempts, &saga.FailureReason, &saga.LastError)
+	).Scan(&saga.SagaID, &saga.OrderID, &saga.Status, &saga.CurrentStep, &saga.Attempts, &saga.FailureReason, &saga.LastError,
+		&traceparent, &tracestate)
 	if err != nil {
 		return sagaRow{}, nil, fmt.Errorf("read saga %s: %w", sagaID, err)
 	}
+	saga.Trace = traceContextFrom(traceparent, tracestate)
 	rows, err := q.QueryContext(ctx, `
 		SELECT step_index, step_name, status, attempts, result, error
 		FROM saga_steps WHERE saga_id = ? ORDER BY step_index`, sagaID)
@@ -269,7 +281,9 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 	}
 	var failures []error
 	for len(runs) > 0 {
-		runs, err = a.sagaRound(ctx, runs, &failures)
+		round := runs
+		runs, err = a.sagaRound(ctx, round, &failures)
+		failSagaSpans(round, err)
 		if err != nil {
 			return 0, errors.Join(append(failures, err)...)
 		}
@@ -301,6 +315,8 @@ type sagaRun struct {
 	// renewed: the last round's commit recorded a step of this saga, and
 	// renewed its lease with it (fenceSaga).
 	renewed bool
+	// span is the span of what this round does to the saga (tracing.go).
+	span trace.Span
 }
 
 // sagaNext says what becomes of a saga after its step in a round.
@@ -355,6 +371,7 @@ func (n sagaNext) String() string {
 func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error) ([]*sagaRun, error) {
 	for _, run := range runs {
 		a.readSagaRun(ctx, run)
+		a.startSagaSpan(ctx, run)
 		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
 			return nil, err
 		}
@@ -380,7 +397,8 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 					return err
 				}
 			default:
-				next, err := a.sagaStepIn(ctx, tx, run)
+				// The events the step writes are created in its span.
+				next, err := a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, run)
 				if err != nil {
 					return err
 				}
@@ -395,13 +413,15 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 	var again []*sagaRun
 	wroteEvent := false
 	for i, run := range runs {
+		endSagaSpan(run, nexts[i])
+		log := withTraceID(a.log, run.span.SpanContext())
 		switch {
 		case run.stepOK:
-			a.log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
+			log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
 				"step", run.step.Name, "then", nexts[i].String())
 		case run.saga.Status == sagaCompensating && nexts[i] == sagaWroteEvent:
 			// Every step undone: finishCompensation wrote OrderCancelled.
-			a.log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
+			log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
 		}
 		if nexts[i] == sagaCompensatedStep {
 			a.metrics.compensated(run.step.Name)
@@ -532,6 +552,8 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
+		// The call is part of the step's span.
+		ctx := trace.ContextWithSpan(ctx, run.span)
 		if run.saga.Status == sagaInProgress {
 			run.chargeID, run.callErr = a.processor.charge(ctx, chargeRequest{
 				IdempotencyKey: chargeKey(run.saga.SagaID),

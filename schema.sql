@@ -328,3 +328,22 @@ CREATE TABLE repair_log (
     created_at TEXT NOT NULL
 );
 CREATE INDEX repair_log_created_at ON repair_log (created_at);
+
+-- version 5
+
+-- traceparent and tracestate are the W3C Trace Context of the span that
+-- created the event, written in the event's own transaction, so the trace
+-- of POST /api/orders (or of the saga step that wrote PaymentCaptured)
+-- reaches the consumers however long the event waits and whichever relay
+-- publishes it. NULL when tracing is off (tracing.go).
+ALTER TABLE outbox_events ADD COLUMN traceparent TEXT;
+ALTER TABLE outbox_events ADD COLUMN tracestate TEXT;
+-- The embedded broker keeps the event's creation context with the message,
+-- as NATS keeps it in the message's headers.
+ALTER TABLE broker_messages ADD COLUMN traceparent TEXT;
+ALTER TABLE broker_messages ADD COLUMN tracestate TEXT;
+-- A saga runs its steps long after the OrderCreated that started it was
+-- consumed: it keeps that message's creation context, and each step's
+-- span links to it.
+ALTER TABLE saga_instances ADD COLUMN traceparent TEXT;
+ALTER TABLE saga_instances ADD COLUMN tracestate TEXT;

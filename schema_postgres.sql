@@ -326,3 +326,15 @@ CREATE TABLE repair_log (
     created_at utc_time NOT NULL
 );
 CREATE INDEX repair_log_created_at ON repair_log (created_at);
+
+-- version 5
+
+-- The W3C Trace Context of each event's creation, of the embedded broker's
+-- copy, and of the OrderCreated that started a saga: see version 5 of
+-- schema.sql for why.
+ALTER TABLE outbox_events ADD COLUMN traceparent TEXT;
+ALTER TABLE outbox_events ADD COLUMN tracestate TEXT;
+ALTER TABLE broker_messages ADD COLUMN traceparent TEXT;
+ALTER TABLE broker_messages ADD COLUMN tracestate TEXT;
+ALTER TABLE saga_instances ADD COLUMN traceparent TEXT;
+ALTER TABLE saga_instances ADD COLUMN tracestate TEXT;

@@ -71,9 +71,11 @@ func parseAPIKeys(spec string) (map[string]string, error) {
 // logging around every route.
 func (s *server) routes() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("POST /api/orders", s.authenticated(s.handleCreateOrder))
+	// The two requests that write events start (or continue) their trace
+	// (tracing.go).
+	mux.Handle("POST /api/orders", s.traced("/api/orders", s.authenticated(s.handleCreateOrder)))
 	mux.Handle("GET /api/orders/{id}", s.authenticated(s.handleGetOrder))
-	mux.Handle("POST /api/orders/{id}/refund", s.authenticated(s.handleRefund))
+	mux.Handle("POST /api/orders/{id}/refund", s.traced("/api/orders/{id}/refund", s.authenticated(s.handleRefund)))
 	mux.HandleFunc("POST /webhooks/processor", s.handleProcessorWebhook)
 	mux.HandleFunc("GET /healthz", s.handleHealth)
 	mux.HandleFunc("GET /problems/{name}", s.handleProblemDoc)
