@@ -6,7 +6,6 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -724,21 +723,7 @@ func BenchmarkMetricsCreate(b *testing.B) {
 			if on {
 				app.enableMetrics()
 			}
-			ts := serveInProcess(b, app, "", false)
-			client := benchClient(8)
-			prefix := "metrics-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
-			b.ResetTimer()
-			runClients(b, 8, func(i int) error {
-				status, answer, err := postOrder(client, ts.URL, prefix+strconv.Itoa(i), body)
-				if err != nil {
-					return err
-				}
-				if status != http.StatusCreated {
-					return fmt.Errorf("got %d %s; want 201", status, answer)
-				}
-				return nil
-			})
-			reportOpsPerSecond(b, "orders/s")
+			benchCreatesOverHTTP(b, app, 8, "metrics-", body)
 		})
 	}
 }
