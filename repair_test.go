@@ -220,9 +220,7 @@ func TestOutboxRetry(t *testing.T) {
 			_, err := env.app.retryOutboxEvents(ctx, "alice", tc.target)
 			mustRefuse(t, err, tc.kind, tc.want)
 		}
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure the command refuses no target, two targets and a missing
@@ -251,14 +249,9 @@ func TestOutboxRetry(t *testing.T) {
 			if !strings.Contains(strings.Join(tc.args, " "), "--operator") {
 				args = append(args, "--operator", "alice")
 			}
-			out, err := runTraceCLI(t, args...)
-			if err == nil || !strings.Contains(out, tc.want) {
-				t.Fatalf("%v: got %v\n%s\nwant an error naming %q", tc.args, err, out, tc.want)
-			}
+			mustRefuseCommand(t, args, tc.want)
 		}
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 
 		out, err := runTraceCLI(t, "outbox", "retry", "--db", env.path, "--operator", "alice", firstEvent)
 		if err == nil || !strings.Contains(out, firstEvent+": OrderCreated of "+first) ||
@@ -345,9 +338,7 @@ func TestInboxReplay(t *testing.T) {
 		before := repairState(t, env)
 		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: paymentServiceConsumer, AllPoison: true})
 		mustRefuse(t, err, errRepairRefused, "name it with --broker")
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure a replay finds the message in the broker when the outbox no
@@ -391,9 +382,7 @@ func TestInboxReplay(t *testing.T) {
 		before := repairState(t, env)
 		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true})
 		mustRefuse(t, err, errRepairRefused, "in neither the outbox nor the broker any more")
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure an unknown consumer or message, a message that was applied,
@@ -427,14 +416,9 @@ func TestInboxReplay(t *testing.T) {
 			{[]string{"inbox", "replay", "--broker", "http://x", applied}, "want a nats:// URL"},
 			{[]string{"inbox", "replay", applied}, "not poison"},
 		} {
-			out, err := runTraceCLI(t, append(tc.args, "--db", env.path, "--operator", "alice")...)
-			if err == nil || !strings.Contains(out, tc.want) {
-				t.Fatalf("%v: got %v\n%s\nwant an error naming %q", tc.args, err, out, tc.want)
-			}
+			mustRefuseCommand(t, append(tc.args, "--db", env.path, "--operator", "alice"), tc.want)
 		}
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure a poison message of the webhook inbox, which no broker
@@ -450,9 +434,7 @@ func TestInboxReplay(t *testing.T) {
 		before := repairState(t, env)
 		_, err = env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{MessageID: "evt_webhook"})
 		mustRefuse(t, err, errRepairRefused, webhookConsumer+" is not a broker consumer")
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure that on NATS JetStream, where the poison message was acked
@@ -483,9 +465,7 @@ func TestInboxReplay(t *testing.T) {
 		if _, err := env.app.db.Exec(`DELETE FROM broker_messages`); err != nil {
 			t.Fatal(err)
 		}
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 		stored := streamMessages(t, broker)
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: paymentServiceConsumer, MessageID: eventID}); err != nil {
 			t.Fatal(err)
@@ -601,14 +581,9 @@ func TestSagaResume(t *testing.T) {
 			{[]string{"saga", "resume"}, "takes one SAGA_ID (got 0 arguments)"},
 			{[]string{"saga", "resume", sagaID}, "is completed, not compensation_failed"},
 		} {
-			out, err := runTraceCLI(t, append(tc.args, "--db", env.path, "--operator", "alice")...)
-			if err == nil || !strings.Contains(out, tc.want) {
-				t.Fatalf("%v: got %v\n%s\nwant an error naming %q", tc.args, err, out, tc.want)
-			}
+			mustRefuseCommand(t, append(tc.args, "--db", env.path, "--operator", "alice"), tc.want)
 		}
-		if after := repairState(t, env); after != before {
-			t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
-		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure saga list shows the sagas of a state and refuses a state that
@@ -1000,5 +975,24 @@ func TestREADMERepairSection(t *testing.T) {
 		if r.Status == http.StatusMethodNotAllowed || strings.Contains(r.Body, "no admin route") {
 			t.Errorf("README lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
 		}
+	}
+}
+
+// mustBeUnchanged fails the test unless the repairable state is what it
+// was before: a refusal changes nothing.
+func mustBeUnchanged(t *testing.T, env *testEnv, before string) {
+	t.Helper()
+	if after := repairState(t, env); after != before {
+		t.Fatalf("a refusal changed\n%s\ninto\n%s", before, after)
+	}
+}
+
+// mustRefuseCommand fails the test unless the command args fails with a
+// message naming want.
+func mustRefuseCommand(t *testing.T, args []string, want string) {
+	t.Helper()
+	out, err := runTraceCLI(t, args...)
+	if err == nil || !strings.Contains(out, want) {
+		t.Fatalf("%v: got %v\n%s\nwant an error naming %q", args, err, out, want)
 	}
 }
