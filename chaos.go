@@ -313,9 +313,10 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	}
 	const webhookSecret = "whsec_chaos"
 	common := []string{"--db", processDB, "--lease-scale=" + strconv.FormatFloat(chaosLeaseScale, 'f', -1, 64), "--clock-file", clock.path}
+	stream := ""
 	if brokerURL != "" {
 		// A stream of this run's own: nothing left in it by another run.
-		stream := fmt.Sprintf("CHAOS%d_%d", cfg.Seed, time.Now().UnixNano())
+		stream = fmt.Sprintf("CHAOS%d_%d", cfg.Seed, time.Now().UnixNano())
 		common = append(common, "--broker", brokerURL, "--nats-stream", stream)
 		defer deleteNATSStream(log, brokerURL, stream)
 	}
@@ -516,6 +517,11 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		quietCtx, cancelQuiet := context.WithTimeout(ctx, chaosGiveUp)
 		runErr = waitQuiet(quietCtx, cfg.DBPath)
 		cancelQuiet()
+		if runErr != nil && stream != "" {
+			// Where are the stuck orders' messages: never stored, skipped
+			// by a consumer, or held unacked?
+			runErr = fmt.Errorf("%w\n%s", runErr, describeNATS(context.Background(), brokerURL, stream, unfinishedEventIDs(cfg.DBPath)))
+		}
 	}
 	for _, p := range processes {
 		p.stop()

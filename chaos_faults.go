@@ -17,6 +17,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -29,6 +30,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // clockFileRefresh is how often a process re-reads its clock file. The
@@ -444,4 +447,90 @@ func (c *chaosClock) jumpCount() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.jumps
+}
+
+// describeNATS says, for a run that did not become quiet, what the NATS
+// stream holds and where each of its durable consumers stands, and at which
+// stream sequence each of eventIDs is stored (or that it is not): enough to
+// tell a message the stream never stored from one a consumer skipped or
+// still holds unacked. It reads every message of the stream, which suits a
+// chaos run's, not a production one.
+func describeNATS(ctx context.Context, url, streamName string, eventIDs []string) string {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	broker, err := openNATSBroker(ctx, url, streamName, ackWait)
+	if err != nil {
+		return fmt.Sprintf("NATS: %v", err)
+	}
+	defer broker.close()
+	stream, err := broker.js.Stream(ctx, streamName)
+	if err != nil {
+		return fmt.Sprintf("NATS: stream %s: %v", streamName, err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return fmt.Sprintf("NATS: stream %s: %v", streamName, err)
+	}
+	var out strings.Builder
+	fmt.Fprintf(&out, "NATS stream %s: %d messages, sequences %d to %d\n", streamName, info.State.Msgs, info.State.FirstSeq, info.State.LastSeq)
+	consumers := stream.ListConsumers(ctx)
+	for c := range consumers.Info() {
+		fmt.Fprintf(&out, "  consumer %s: delivered stream seq %d, ack floor %d, %d pending, %d acks pending, %d redelivered, %d pulls waiting\n",
+			c.Name, c.Delivered.Stream, c.AckFloor.Stream, c.NumPending, c.NumAckPending, c.NumRedelivered, c.NumWaiting)
+	}
+	if err := consumers.Err(); err != nil {
+		fmt.Fprintf(&out, "  list consumers: %v\n", err)
+	}
+	wanted := map[string]bool{}
+	for _, id := range eventIDs {
+		wanted[id] = true
+	}
+	for seq := info.State.FirstSeq; len(wanted) > 0 && seq > 0 && seq <= info.State.LastSeq; seq++ {
+		msg, err := stream.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			fmt.Fprintf(&out, "  read message %d: %v\n", seq, err)
+			break
+		}
+		if id := msg.Header.Get(jetstream.MsgIDHeader); wanted[id] {
+			fmt.Fprintf(&out, "  %s is stored at stream seq %d on %s\n", id, seq, msg.Subject)
+			delete(wanted, id)
+		}
+	}
+	for _, id := range eventIDs {
+		if wanted[id] {
+			fmt.Fprintf(&out, "  %s is not in the stream\n", id)
+		}
+	}
+	return out.String()
+}
+
+// unfinishedEventIDs returns the outbox event ids of the orders still
+// created (at most 20 orders), for describeNATS.
+func unfinishedEventIDs(path string) []string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	db, err := openReadOnlyDB(ctx, path)
+	if err != nil {
+		return nil
+	}
+	defer db.Close()
+	rows, err := db.QueryContext(ctx, `
+		SELECT e.event_id FROM outbox_events e
+		WHERE e.aggregate_id IN (SELECT order_id FROM orders WHERE status = 'created' ORDER BY order_id LIMIT 20)
+		ORDER BY e.seq`)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	var ids []string
+	for rows.Next() {
+		var id string
+		if rows.Scan(&id) == nil {
+			ids = append(ids, id)
+		}
+	}
+	return ids
 }
