@@ -25,7 +25,8 @@
 //   - A fetch takes what is there and does not wait: the consumer loops
 //     sleep between polls, and are woken by an announcement that the relay
 //     publishes, on a plain subject outside the stream, once JetStream has
-//     stored a batch (see infra_wakeup.go).
+//     stored a batch (see infra_wakeup.go). A fetch that finds nothing has
+//     the server count the consumer's pending messages again (see fetch).
 
 package main
 
@@ -62,6 +63,9 @@ type natsBroker struct {
 	// dropped counts, per message id, the publishes of this process that
 	// JetStream reported as duplicates.
 	dropped map[string]int
+	// recounted is when fetch last asked the server to count each
+	// durable's pending messages again.
+	recounted map[string]time.Time
 }
 
 // openNATSBroker connects to url and makes sure the stream exists. stream
@@ -78,7 +82,7 @@ func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Durati
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	b := &natsBroker{conn: conn, js: js, stream: stream, prefix: strings.ToLower(stream), ackWait: ackWait,
-		durables: map[string][]jetstream.Consumer{}, dropped: map[string]int{}}
+		durables: map[string][]jetstream.Consumer{}, dropped: map[string]int{}, recounted: map[string]time.Time{}}
 	_, err = js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:       stream,
 		Subjects:   []string{b.prefix + ".>"},
@@ -206,6 +210,15 @@ func (b *natsBroker) onAnnounce(published func()) error {
 // waits returns only once its batch is full or its wait is over, however
 // soon the first message came); the consume loop is woken when there are
 // (see onAnnounce).
+//
+// A fetch that does not wait is answered from the server's own count of
+// the consumer's pending messages, and nats-server 2.9 can let that count
+// fall behind: in a run with a NATS restart and paused consumers, the last
+// message of a consumer was pending for good while every fetch got "no
+// messages". Asking for the consumer's info makes the server count again.
+// So when a durable's fetch comes back empty, fetch asks for its info (at
+// most once per pendingRecount per durable) and, if the server then counts
+// messages pending, fetches again.
 func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]delivery, error) {
 	b.mu.Lock()
 	durables := b.durables[subscriber]
@@ -218,51 +231,90 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 		if len(deliveries) >= max {
 			break
 		}
-		durable := consumer.CachedInfo().Name
-		batch, err := consumer.FetchNoWait(max - len(deliveries))
+		batch, err := b.fetchNoWait(consumer, subscriber, max-len(deliveries))
 		if err != nil {
-			return nil, fmt.Errorf("fetch from %s: %w", durable, err)
+			return nil, err
 		}
-		for natsMsg := range batch.Messages() {
-			metadata, err := natsMsg.Metadata()
+		if len(batch) == 0 && b.recountDue(consumer.CachedInfo().Name) {
+			info, err := consumer.Info(ctx)
 			if err != nil {
-				return nil, fmt.Errorf("message metadata: %w", err)
+				return nil, fmt.Errorf("consumer info of %s: %w", consumer.CachedInfo().Name, err)
 			}
-			// A replay (repair.go) carries the id of the message it
-			// replays: the one the inbox keys on.
-			id := natsMsg.Headers().Get(replayedMessageIDHeader)
-			if id == "" {
-				id = natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			if info.NumPending > 0 {
+				if batch, err = b.fetchNoWait(consumer, subscriber, max-len(deliveries)); err != nil {
+					return nil, err
+				}
 			}
-			var malformed error
-			if id == "" {
-				// Not one of ours: nothing could deduplicate it. Failing
-				// the fetch would fail its batch-mates with it, for ever;
-				// the consumer records it as poison instead.
-				id = fmt.Sprintf("nats-seq-%s-%d", b.stream, metadata.Sequence.Stream)
-				malformed = permanent(fmt.Errorf("message %d on %s has no %s header, so nothing could deduplicate it",
-					metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader))
-			}
-			deliveries = append(deliveries, delivery{
-				message: message{
-					ID:      id,
-					Subject: strings.TrimPrefix(natsMsg.Subject(), b.prefix+"."),
-					Payload: natsMsg.Data(),
-					Trace: traceContext{
-						TraceParent: natsMsg.Headers().Get("traceparent"),
-						TraceState:  natsMsg.Headers().Get("tracestate"),
-					},
+		}
+		deliveries = append(deliveries, batch...)
+	}
+	return deliveries, nil
+}
+
+// pendingRecount is how often fetch may ask the server to count a durable's
+// pending messages again (see fetch).
+const pendingRecount = time.Second
+
+// recountDue reports whether durable's pending messages may be counted
+// again now, and if so notes that they are.
+func (b *natsBroker) recountDue(durable string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if time.Since(b.recounted[durable]) < pendingRecount {
+		return false
+	}
+	b.recounted[durable] = time.Now()
+	return true
+}
+
+// fetchNoWait pulls up to max messages that are there now from one durable
+// consumer of subscriber.
+func (b *natsBroker) fetchNoWait(consumer jetstream.Consumer, subscriber string, max int) ([]delivery, error) {
+	durable := consumer.CachedInfo().Name
+	batch, err := consumer.FetchNoWait(max)
+	if err != nil {
+		return nil, fmt.Errorf("fetch from %s: %w", durable, err)
+	}
+	var deliveries []delivery
+	for natsMsg := range batch.Messages() {
+		metadata, err := natsMsg.Metadata()
+		if err != nil {
+			return nil, fmt.Errorf("message metadata: %w", err)
+		}
+		// A replay (repair.go) carries the id of the message it
+		// replays: the one the inbox keys on.
+		id := natsMsg.Headers().Get(replayedMessageIDHeader)
+		if id == "" {
+			id = natsMsg.Headers().Get(jetstream.MsgIDHeader)
+		}
+		var malformed error
+		if id == "" {
+			// Not one of ours: nothing could deduplicate it. Failing
+			// the fetch would fail its batch-mates with it, for ever;
+			// the consumer records it as poison instead.
+			id = fmt.Sprintf("nats-seq-%s-%d", b.stream, metadata.Sequence.Stream)
+			malformed = permanent(fmt.Errorf("message %d on %s has no %s header, so nothing could deduplicate it",
+				metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader))
+		}
+		deliveries = append(deliveries, delivery{
+			message: message{
+				ID:      id,
+				Subject: strings.TrimPrefix(natsMsg.Subject(), b.prefix+"."),
+				Payload: natsMsg.Data(),
+				Trace: traceContext{
+					TraceParent: natsMsg.Headers().Get("traceparent"),
+					TraceState:  natsMsg.Headers().Get("tracestate"),
 				},
-				Subscriber:    subscriber,
-				Seq:           int64(metadata.Sequence.Stream),
-				DeliveryCount: int(metadata.NumDelivered),
-				Malformed:     malformed,
-				natsMsg:       natsMsg,
-			})
-		}
-		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
-			return nil, fmt.Errorf("fetch from %s: %w", durable, err)
-		}
+			},
+			Subscriber:    subscriber,
+			Seq:           int64(metadata.Sequence.Stream),
+			DeliveryCount: int(metadata.NumDelivered),
+			Malformed:     malformed,
+			natsMsg:       natsMsg,
+		})
+	}
+	if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
+		return nil, fmt.Errorf("fetch from %s: %w", durable, err)
 	}
 	return deliveries, nil
 }

@@ -337,6 +337,41 @@ func TestNATSBroker(t *testing.T) {
 		}
 	})
 
+	// Ensure a message is fetched although the server's count of the
+	// consumer's pending messages fell behind (nats-server 2.9 then answers
+	// every fetch that does not wait with "no messages"): fetch asks for
+	// the consumer's info, which makes the server count again, and
+	// fetches again.
+	t.Run("PendingCountThatFellBehindIsRecounted", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		behind := &countBehind{Consumer: broker.durables[paymentServiceConsumer][0], behind: true}
+		broker.durables[paymentServiceConsumer][0] = behind
+		payments := env.app.consumers()[0]
+		deadline := time.Now().Add(3 * pendingRecount)
+		for {
+			results, err := env.app.consumeOnce(ctx, payments, consumeBatchSize)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(results) == 1 && results[0].Outcome == inboxApplied {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the OrderCreated was not fetched in %s of passes (%d fetches found nothing); got %v",
+					3*pendingRecount, behind.emptyFetches(), results)
+			}
+			time.Sleep(workerIdle)
+		}
+		if behind.emptyFetches() == 0 {
+			t.Fatal("no fetch found the count behind: the test did not test the recount")
+		}
+	})
+
 	// Ensure a durable consumer created with MaxDeliver 5 (by an older
 	// version) is updated to unlimited deliveries when the consumer
 	// subscribes, keeping its position and pending acks.
@@ -424,3 +459,51 @@ func TestNATSBroker(t *testing.T) {
 		}
 	})
 }
+
+// countBehind is a durable consumer whose server's count of pending
+// messages fell behind, as nats-server 2.9's can: every fetch that does not
+// wait finds nothing, until the consumer's info is asked for, which makes
+// the server count again.
+type countBehind struct {
+	jetstream.Consumer
+	mu     sync.Mutex
+	behind bool
+	empty  int
+}
+
+// FetchNoWait finds nothing while the count is behind.
+func (c *countBehind) FetchNoWait(batch int) (jetstream.MessageBatch, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.behind {
+		c.empty++
+		return emptyBatch{}, nil
+	}
+	return c.Consumer.FetchNoWait(batch)
+}
+
+// Info counts again, as the server does.
+func (c *countBehind) Info(ctx context.Context) (*jetstream.ConsumerInfo, error) {
+	c.mu.Lock()
+	c.behind = false
+	c.mu.Unlock()
+	return c.Consumer.Info(ctx)
+}
+
+// emptyFetches returns how many fetches found nothing.
+func (c *countBehind) emptyFetches() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.empty
+}
+
+// emptyBatch is a fetch's answer of "no messages".
+type emptyBatch struct{}
+
+func (emptyBatch) Messages() <-chan jetstream.Msg {
+	messages := make(chan jetstream.Msg)
+	close(messages)
+	return messages
+}
+
+func (emptyBatch) Error() error { return nil }
