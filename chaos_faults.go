@@ -88,7 +88,11 @@ type chaosClock struct {
 	stamping sync.RWMutex
 	mu       sync.Mutex
 	offset   time.Duration
-	jumps    int
+	// jumps counts the jumps written to the file; settled, those that every
+	// running process has read since (a process re-reads the file at most
+	// every clockFileRefresh, so for that long it may still stamp a key
+	// with the old time).
+	jumps, settled int
 }
 
 // newChaosClock writes a zero offset to dir/clock and returns the clock.
@@ -133,6 +137,9 @@ func (c *chaosClock) jump(d time.Duration) error {
 	c.jumps++
 	c.mu.Unlock()
 	time.Sleep(4 * clockFileRefresh)
+	c.mu.Lock()
+	c.settled++
+	c.mu.Unlock()
 	return nil
 }
 
@@ -447,6 +454,13 @@ func (c *chaosClock) jumpCount() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.jumps
+}
+
+// settledJumps returns how many jumps every running process has read.
+func (c *chaosClock) settledJumps() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.settled
 }
 
 // describeNATS says, for a run that did not become quiet, what the NATS

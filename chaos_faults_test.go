@@ -44,6 +44,33 @@ func TestFileClock(t *testing.T) {
 			t.Fatalf("the orchestrator's clock is at %s after %d jumps", clock.now(), clock.jumpCount())
 		}
 	})
+	// A process reads the file at most every clockFileRefresh, so a key
+	// first sent while a jump is being read may be stamped with the old
+	// time and be expired for the next process that answers it: the
+	// client must not demand a replay of it then.
+	t.Run("KeyFirstSentDuringAJumpMayHaveExpiredAfterIt", func(t *testing.T) {
+		clock, err := newChaosClock(t.TempDir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		run := &chaosRun{clock: clock}
+		before := clock.settledJumps()
+		jumped := make(chan error, 1)
+		go func() { jumped <- clock.jump(clockJump) }()
+		for clock.jumpCount() == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		during := clock.settledJumps()
+		if err := <-jumped; err != nil {
+			t.Fatal(err)
+		}
+		if !run.keyMayHaveExpired(before) || !run.keyMayHaveExpired(during) {
+			t.Fatal("a key first sent before or during the jump is judged as if it cannot have expired")
+		}
+		if after := clock.settledJumps(); run.keyMayHaveExpired(after) {
+			t.Fatal("a key first sent after the jump settled is judged as if it may have expired")
+		}
+	})
 }
 
 // Ensure a pause outlasts every lease of the chaos processes, and an outage

@@ -48,7 +48,7 @@ type chaosRefundKey struct {
 	// answered 422 idempotency-key-expired; a key that was refused may run
 	// again as new, which refunds nothing twice.
 	refunded bool
-	// jumps is how many clock jumps had been made when the key was first
+	// jumps is how many clock jumps had settled when the key was first
 	// sent: a later answer for it is judged against this count.
 	jumps int
 }
@@ -282,6 +282,7 @@ func (r *chaosRun) runChaosOrder(ctx context.Context, order *chaosOrder) {
 	if order.hostile >= 0 {
 		r.sendHostileCreate(ctx, order)
 	}
+	jumps := r.clock.settledJumps()
 	created, err := r.untilDefinitive(ctx, order.index, "POST", "/api/orders", order.apiKey, order.key, order.body)
 	if err != nil {
 		r.violation("%s %s: never got an answer: %v", order.userID, order.key, err)
@@ -295,7 +296,15 @@ func (r *chaosRun) runChaosOrder(ctx context.Context, order *chaosOrder) {
 	r.record(func() { r.answered = append(r.answered, chaos201{order.gotOrderID, order.userID, order.key}) })
 	if order.retryAnyway {
 		again, err := r.untilDefinitive(ctx, order.index+1, "POST", "/api/orders", order.apiKey, order.key, order.body)
-		if err == nil && (again.status != http.StatusCreated || string(again.body) != string(created.body) || !again.replayed) {
+		switch {
+		case err != nil:
+		case r.keyMayHaveExpired(jumps) && again.status == http.StatusCreated && !again.replayed && orderField(again.body, "order_id") != order.gotOrderID:
+			// The key expired in a clock jump between the two: the
+			// retry made a new order, as an expired key does.
+			r.record(func() {
+				r.answered = append(r.answered, chaos201{orderField(again.body, "order_id"), order.userID, order.key})
+			})
+		case again.status != http.StatusCreated || string(again.body) != string(created.body) || !again.replayed:
 			r.violation("%s %s: retry got %d %s, want the replayed %s", order.userID, order.key, again.status, again.body, created.body)
 		}
 	}
@@ -323,7 +332,7 @@ func (r *chaosRun) refundWholeTwice(ctx context.Context, order *chaosOrder) {
 		return
 	}
 	second, ok := r.refund(ctx, order, key, `{}`)
-	if !ok || r.expiredSince(order.refundKeyJumps(key), second) {
+	if !ok || r.keyMayHaveExpired(order.refundKeyJumps(key)) {
 		return
 	}
 	if second.status != first.status || string(first.body) != string(second.body) || !second.replayed {
@@ -350,7 +359,7 @@ func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 	wg.Wait()
 	if firstOK {
 		again, ok := r.refund(ctx, order, "refund-"+order.key+"-a", part)
-		if ok && !r.expiredSince(order.refundKeyJumps("refund-"+order.key+"-a"), again) && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
+		if ok && !r.keyMayHaveExpired(order.refundKeyJumps("refund-"+order.key+"-a")) && (again.status != first.status || string(again.body) != string(first.body) || !again.replayed) {
 			r.violation("%s %s: refund part got %d %s, then %d %s; want the replay", order.userID, order.key, first.status, first.body, again.status, again.body)
 		}
 	}
@@ -362,17 +371,27 @@ func (r *chaosRun) refundInParts(ctx context.Context, order *chaosOrder) {
 }
 
 // expiredSince reports whether answer is 422 idempotency-key-expired and
-// the clock has jumped since the client's jumps'th jump: the retry of a
-// request that crossed the key's expiry.
+// the key may have expired since its first use (keyMayHaveExpired): the
+// retry of a request that crossed the key's expiry.
 func (r *chaosRun) expiredSince(jumps int, answer chaosAnswer) bool {
-	return answer.status == http.StatusUnprocessableEntity && answer.problemType() == string(problemKeyExpired) && r.clock.jumpCount() > jumps
+	return answer.status == http.StatusUnprocessableEntity && answer.problemType() == string(problemKeyExpired) && r.keyMayHaveExpired(jumps)
+}
+
+// keyMayHaveExpired reports whether a key first used when jumps clock
+// jumps had settled may have expired since: a jump has begun since then.
+// A repeat of it then promises no replay. A key whose answer was a refusal
+// (nothing refunded under it) runs as a new request once it expired, and
+// gets a fresh answer; one under which money moved gets 422
+// idempotency-key-expired.
+func (r *chaosRun) keyMayHaveExpired(jumps int) bool {
+	return r.clock.jumpCount() > jumps
 }
 
 // refund sends one refund until it is answered and checks the answer is one
 // a refund may get. It returns false if it recorded a violation.
 func (r *chaosRun) refund(ctx context.Context, order *chaosOrder, key, body string) (chaosAnswer, bool) {
 	r.c.refundRequests.Add(1)
-	jumps := order.addRefundKey(key, body, r.clock.jumpCount())
+	jumps := order.addRefundKey(key, body, r.clock.settledJumps())
 	answer, err := r.untilDefinitive(ctx, order.index, "POST", refundPath(order.gotOrderID), order.apiKey, key, body)
 	if err != nil {
 		r.violation("%s %s: refund %s never got an answer: %v", order.userID, order.key, key, err)
@@ -441,7 +460,7 @@ func (r *chaosRun) raceOneKey(ctx context.Context, order *chaosOrder) {
 		})
 	case createLost && !refundLost:
 		// The refund won the key: reusing it after expiry must not refund again.
-		order.addRefundKey(key, `{"amount_cents":1}`, r.clock.jumpCount())
+		order.addRefundKey(key, `{"amount_cents":1}`, r.clock.settledJumps())
 		r.checkRefundAnswer(order, key, refunded)
 	default:
 		r.violation("%s %s: one key sent to a create and a refund at once got %d %s and %d %s; want one to run and the other 422 %s",
@@ -804,8 +823,8 @@ func (o *chaosOrder) finishedBefore(jump int) bool {
 }
 
 // addRefundKey remembers a refund key the client used, and jumps, the
-// clock's jump count, if this is its first use. It returns the count at
-// the key's first use.
+// clock's count of settled jumps, if this is its first use. It returns the
+// count at the key's first use.
 func (o *chaosOrder) addRefundKey(key, body string, jumps int) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -818,7 +837,8 @@ func (o *chaosOrder) addRefundKey(key, body string, jumps int) int {
 	return jumps
 }
 
-// refundKeyJumps returns the clock's jump count at the key's first use.
+// refundKeyJumps returns the clock's count of settled jumps at the key's
+// first use.
 func (o *chaosOrder) refundKeyJumps(key string) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
