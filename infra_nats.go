@@ -236,11 +236,11 @@ func (b *natsBroker) fetch(ctx context.Context, subscriber string, max int) ([]d
 			return nil, err
 		}
 		if len(batch) == 0 && b.recountDue(consumer.CachedInfo().Name) {
-			info, err := consumer.Info(ctx)
-			if err != nil {
-				return nil, fmt.Errorf("consumer info of %s: %w", consumer.CachedInfo().Name, err)
-			}
-			if info.NumPending > 0 {
+			// Best effort: a failed info request must not fail the
+			// deliveries already fetched from the other durables (they
+			// would come back only after ackWait); a pass a second later
+			// asks again, and a broker that is down fails its fetch.
+			if info, err := consumer.Info(ctx); err == nil && info.NumPending > 0 {
 				if batch, err = b.fetchNoWait(consumer, subscriber, max-len(deliveries)); err != nil {
 					return nil, err
 				}
