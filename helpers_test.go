@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -287,18 +288,39 @@ const (
 	testWebhookSecret = "whsec_test"
 )
 
-// newTestServer serves env's API on a loopback port until the test ends.
-func newTestServer(tb testing.TB, env *testEnv) *httptest.Server {
-	tb.Helper()
-	s := &server{
+// newTestAPI returns the API of env, with the test users' keys.
+func newTestAPI(env *testEnv) *server {
+	return &server{
 		app:           env.app,
 		apiKeys:       map[string]string{keyUser42: "user-42", keyUser7: "user-7"},
 		webhookSecret: []byte(testWebhookSecret),
 		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
-	ts := httptest.NewServer(s.routes())
+}
+
+// newTestServer serves env's API on a loopback port until the test ends.
+func newTestServer(tb testing.TB, env *testEnv) *httptest.Server {
+	tb.Helper()
+	ts := httptest.NewServer(newTestAPI(env).routes())
 	tb.Cleanup(ts.Close)
 	return ts
+}
+
+// newUnwaitedTestServer serves env's API on a loopback port until the test
+// ends, and returns its base URL. Unlike newTestServer it ends without
+// waiting for its handlers (httptest.Server.Close waits for every request
+// in flight): a test that finds requests hung must fail saying so, not
+// hang in its cleanup.
+func newUnwaitedTestServer(tb testing.TB, env *testEnv) string {
+	tb.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	httpServer := &http.Server{Handler: newTestAPI(env).routes()}
+	go httpServer.Serve(listener) // returns once Close closes the listener
+	tb.Cleanup(func() { httpServer.Close() })
+	return "http://" + listener.Addr().String()
 }
 
 // response is what a test client saw.
@@ -306,6 +328,26 @@ type response struct {
 	Status int
 	Header http.Header
 	Body   string
+}
+
+// sendOrder sends POST /api/orders for user-42 with key and body to the
+// API at baseURL. Unlike call it may run on any goroutine: it returns its
+// failure.
+func sendOrder(client *http.Client, baseURL, key, body string) (response, error) {
+	req, err := http.NewRequest("POST", baseURL+"/api/orders", strings.NewReader(body))
+	if err != nil {
+		return response{}, err
+	}
+	req.Header.Set("Authorization", "Bearer "+keyUser42)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := client.Do(req)
+	if err != nil {
+		return response{}, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, err
 }
 
 // call sends a request with optional body, API key and idempotency key.

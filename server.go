@@ -428,8 +428,8 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemKeyInProgress, Title: "Request in progress", Status: http.StatusConflict,
 			Detail: "a request with this Idempotency-Key is in progress; retry later for its result"})
-	case isBusy(err), isDatabaseUnavailable(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded), errors.Is(err, errRefundInFlight),
-		errors.Is(err, errPaymentNotRecorded):
+	case isBusy(err), isDatabaseUnavailable(err), errors.Is(err, errBatchLost), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded),
+		errors.Is(err, errRefundInFlight), errors.Is(err, errPaymentNotRecorded):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemUnavailable, Title: "Temporarily unavailable", Status: http.StatusServiceUnavailable,
 			Detail: "a transient failure; the request may or may not have taken effect: retry with the same Idempotency-Key to get its outcome"})
