@@ -80,6 +80,8 @@ func TestBadInputNeverGetsIn(t *testing.T) {
 		{"KeyHuge", strings.Repeat("k", 20000), valid},
 		{"KeyNonASCII", "kéy", valid},
 		{"KeyOnlyQuotes", `""`, valid},
+		{"KeyFoldedByAProxy", "k1, k1", valid},
+		{"KeyQuotedWithParameters", `"k1";p=1`, valid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
