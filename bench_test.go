@@ -272,7 +272,7 @@ func benchClient(clients int) *http.Client {
 // postOrder sends POST /api/orders with key and returns the response's
 // status and body.
 func postOrder(client *http.Client, baseURL, key, body string) (int, []byte, error) {
-	r, err := sendOrder(client, baseURL, key, body)
+	r, err := sendWith(client, "POST", baseURL+"/api/orders", keyUser42, key, body)
 	return r.Status, []byte(r.Body), err
 }
 

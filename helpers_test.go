@@ -330,24 +330,27 @@ type response struct {
 	Body   string
 }
 
-// sendOrder sends POST /api/orders for user-42 with key and body to the
-// API at baseURL. Unlike call it may run on any goroutine: it returns its
-// failure.
-func sendOrder(client *http.Client, baseURL, key, body string) (response, error) {
-	req, err := http.NewRequest("POST", baseURL+"/api/orders", strings.NewReader(body))
+// sendWith sends a JSON request to url with client, as the user of apiKey,
+// under idempotencyKey. Unlike call it may run on any goroutine: it
+// returns its failure.
+func sendWith(client *http.Client, method, url, apiKey, idempotencyKey, body string) (response, error) {
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
 	if err != nil {
 		return response{}, err
 	}
-	req.Header.Set("Authorization", "Bearer "+keyUser42)
+	req.Header.Set("Authorization", "Bearer "+apiKey)
+	req.Header.Set("Idempotency-Key", idempotencyKey)
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Idempotency-Key", key)
 	resp, err := client.Do(req)
 	if err != nil {
 		return response{}, err
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(resp.Body)
-	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, err
+	if err != nil {
+		return response{}, err
+	}
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, nil
 }
 
 // call sends a request with optional body, API key and idempotency key.
@@ -366,9 +369,15 @@ func call(tb testing.TB, ts *httptest.Server, method, path, apiKey, idempotencyK
 	if body != "" {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	return roundTrip(tb, ts, req)
+}
+
+// roundTrip sends req to ts and returns what came back.
+func roundTrip(tb testing.TB, ts *httptest.Server, req *http.Request) response {
+	tb.Helper()
 	resp, err := ts.Client().Do(req)
 	if err != nil {
-		tb.Fatalf("%s %s: %v", method, path, err)
+		tb.Fatalf("%s %s: %v", req.Method, req.URL.Path, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(resp.Body)

@@ -106,6 +106,28 @@ func queueFollowers(g *groupCommitter, fns ...func(ctx context.Context, tx *sql.
 	return g.waiting
 }
 
+// mustOpenSimDB returns the write pool of a new database reached through a
+// simulated network (simulate_faults.go), which the test may take down.
+func mustOpenSimDB(tb testing.TB) (*sql.DB, *simDatabase) {
+	tb.Helper()
+	network := &simDatabase{name: "database"}
+	db, readers, err := openSimDatabase(context.Background(), filepath.Join(tb.TempDir(), "sim.db"), network)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { db.Close(); readers.Close() })
+	return db, network
+}
+
+// mustStoreNoOrder fails tb if db holds an order.
+func mustStoreNoOrder(tb testing.TB, db *sql.DB) {
+	tb.Helper()
+	var stored int
+	if err := db.QueryRow(`SELECT COUNT(*) FROM orders`).Scan(&stored); err != nil || stored != 0 {
+		tb.Fatalf("stored %d orders (%v)", stored, err)
+	}
+}
+
 // leadWithin runs g.lead(first) and returns its error, or the panic it
 // went on with. It fails tb if lead does not return within a minute: a
 // request answered twice would block it.
@@ -357,19 +379,14 @@ func TestGroupCommit(t *testing.T) {
 	// every request in it is answered with an error that says so (an HTTP
 	// 503), and nothing is stored.
 	t.Run("EveryMemberAnsweredWhenTheDatabaseGoesAway", func(t *testing.T) {
-		network := &simDatabase{name: "database"}
-		db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { db.Close(); readers.Close() })
+		db, network := mustOpenSimDB(t)
 		g := newGroupCommitter(db)
 		goingAway := func(ctx context.Context, tx *sql.Tx) error {
 			network.down = true
 			return insertTestOrder("ord_gone")(ctx, tx)
 		}
 		followers := queueFollowers(g, insertTestOrder("ord_2"), goingAway, insertTestOrder("ord_3"))
-		err, _ = leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1")))
+		err, _ := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1")))
 		if !isDatabaseUnavailable(err) {
 			t.Fatalf("the leader got %v, want the database unavailable", err)
 		}
@@ -379,10 +396,7 @@ func TestGroupCommit(t *testing.T) {
 			}
 		}
 		network.down = false
-		var stored int
-		if err := db.QueryRow(`SELECT COUNT(*) FROM orders`).Scan(&stored); err != nil || stored != 0 {
-			t.Fatalf("stored %d orders (%v)", stored, err)
-		}
+		mustStoreNoOrder(t, db)
 	})
 
 	// Ensure that a panic of the batch's own code (here, the driver's, as
@@ -390,12 +404,7 @@ func TestGroupCommit(t *testing.T) {
 	// into the batch, and hands the lead on to the request that queued
 	// after them.
 	t.Run("EveryMemberAnsweredWhenTheBatchPanics", func(t *testing.T) {
-		network := &simDatabase{name: "database"}
-		db, readers, err := openSimDatabase(ctx, filepath.Join(t.TempDir(), "sim.db"), network)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { db.Close(); readers.Close() })
+		db, network := mustOpenSimDB(t)
 		var once sync.Once
 		network.refused = func() { once.Do(func() { panic("driver bug") }) }
 		g := newGroupCommitter(db)
@@ -423,10 +432,7 @@ func TestGroupCommit(t *testing.T) {
 			t.Fatalf("the request queued after the batch got %+v, want the lead", outcome)
 		}
 		network.down = false
-		var stored int
-		if err := db.QueryRow(`SELECT COUNT(*) FROM orders`).Scan(&stored); err != nil || stored != 0 {
-			t.Fatalf("stored %d orders (%v)", stored, err)
-		}
+		mustStoreNoOrder(t, db)
 	})
 
 	// Ensure a leader whose own work fails rolls back alone, and the
@@ -582,7 +588,7 @@ func TestGroupCommit(t *testing.T) {
 		for i := range clients {
 			go func() {
 				key := fmt.Sprintf("disk-full-%02d", i)
-				r, err := sendOrder(client, baseURL, key, body)
+				r, err := sendWith(client, "POST", baseURL+"/api/orders", keyUser42, key, body)
 				answers <- keyedResponse{key: key, response: r, err: err}
 			}()
 		}
@@ -631,7 +637,7 @@ func TestGroupCommit(t *testing.T) {
 
 		liftCap()
 		for key, first := range got {
-			retry, err := sendOrder(client, baseURL, key, body)
+			retry, err := sendWith(client, "POST", baseURL+"/api/orders", keyUser42, key, body)
 			if err != nil || retry.Status != 201 {
 				t.Fatalf("the retry of %s (first answered %d) got %d %s %v, want 201", key, first.Status, retry.Status, retry.Body, err)
 			}

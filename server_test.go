@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -101,16 +100,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 			if tt.mutateReq != nil {
 				tt.mutateReq(req)
 			}
-			resp, err := ts.Client().Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			data, err := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			got := response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+			got := roundTrip(t, ts, req)
 			if got.Status != tt.status || problemTypeOf(t, got) != tt.problem {
 				t.Errorf("%s: got %d %s, want %d %s", tt.name, got.Status, got.Body, tt.status, tt.problem)
 			}
@@ -160,16 +150,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 				req.Header.Set("Authorization", "Bearer "+keyUser42)
 				req.Header.Set("Content-Type", "application/json")
 				req.Header["Idempotency-Key"] = lines
-				resp, err := ts.Client().Do(req)
-				if err != nil {
-					t.Fatal(err)
-				}
-				data, err := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				if err != nil {
-					t.Fatal(err)
-				}
-				got := response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+				got := roundTrip(t, ts, req)
 				if got.Status != 400 || problemTypeOf(t, got) != problemKeyInvalid || !strings.Contains(got.Body, "Idempotency-Key") {
 					t.Errorf("POST %s with Idempotency-Key %q: got %d %s, want 400 %s naming the header", path, lines, got.Status, got.Body, problemKeyInvalid)
 				}
