@@ -80,6 +80,8 @@ func TestBadInputNeverGetsIn(t *testing.T) {
 		{"KeyHuge", strings.Repeat("k", 20000), valid},
 		{"KeyNonASCII", "kéy", valid},
 		{"KeyOnlyQuotes", `""`, valid},
+		{"KeyFoldedByAProxy", "k1, k1", valid},
+		{"KeyQuotedWithParameters", `"k1";p=1`, valid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -278,10 +280,51 @@ func FuzzDecodeOrderRequest(f *testing.F) {
 	})
 }
 
-// FuzzIdempotencyKeyHeader checks that the key header parser never panics
-// and accepts only 1 to 255 printable ASCII characters.
+// Ensure the Idempotency-Key value is read as exactly one key: bare, or
+// the IETF draft's quoted string with RFC 8941's escapes; a list, a
+// quoted string with anything after it, or a character outside printable
+// ASCII is refused with a reason naming the header.
+func TestParseIdempotencyKey(t *testing.T) {
+	for value, want := range map[string]string{
+		`pay-req-user-42-cart-7`:   `pay-req-user-42-cart-7`,
+		`"pay-req-user-42-cart-7"`: `pay-req-user-42-cart-7`,
+		` "k1" `:                   `k1`,
+		`"a \"b\" \\ c, d; e"`:     `a "b" \ c, d; e`,
+		`a "b" \ c; d`:             `a "b" \ c; d`,
+		`k1, k1`:                   "holds a list",
+		`k1,`:                      "holds a list",
+		`"k1", "k1"`:               "holds a list",
+		`"k1" ,k2`:                 "holds a list",
+		`"k1";p=1`:                 "parameters",
+		`"k1"k1`:                   "text after its quoted string",
+		`"k1" "k2"`:                "text after its quoted string",
+		`"k1`:                      "no closing quote",
+		`"k1\"`:                    "no closing quote",
+		`"k\1"`:                    "escapes a character",
+		`""`:                       "empty",
+		"\"k\t1\"":                 "printable ASCII",
+		"k\x7f1":                   "printable ASCII",
+		"\"k\u00e91\"":             "printable ASCII",
+		strings.Repeat("k", 256):   "the limit is 255",
+	} {
+		key, err := parseIdempotencyKey(value)
+		switch {
+		case err != nil && !strings.Contains(err.Error(), "Idempotency-Key"):
+			t.Errorf("%q: refused with %q, which does not name the header", value, err)
+		case err != nil && !strings.Contains(err.Error(), want):
+			t.Errorf("%q: refused with %q, want %q", value, err, want)
+		case err == nil && key != want:
+			t.Errorf("%q: got key %q, want %q", value, key, want)
+		}
+	}
+}
+
+// FuzzIdempotencyKeyHeader checks that the key header parser never panics,
+// accepts only 1 to 255 printable ASCII characters, never a list, and
+// reads a quoted key as the same key quoted again.
 func FuzzIdempotencyKeyHeader(f *testing.F) {
-	for _, seed := range []string{"k", `"quoted"`, `"`, `""`, strings.Repeat("k", 255), strings.Repeat("k", 256), "tab\there", "é", "a b"} {
+	for _, seed := range []string{"k", `"quoted"`, `"`, `""`, strings.Repeat("k", 255), strings.Repeat("k", 256), "tab\there", "é", "a b",
+		"k1, k1", `"k1", "k1"`, `"a\"b\\c"`, `"k1";p=1`, `"k1"x`} {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, value string) {
@@ -305,8 +348,17 @@ func FuzzIdempotencyKeyHeader(f *testing.F) {
 				t.Fatalf("%q: accepted byte %#x", value, c)
 			}
 		}
-		if !strings.Contains(value, key) {
-			t.Fatalf("%q: key %q is not part of the header", value, key)
+		// A bare key is the value as sent, never a list; a quoted one is
+		// what the same key, quoted again, reads as.
+		if bare := strings.Trim(value, " "); !strings.HasPrefix(bare, `"`) {
+			if key != bare || strings.Contains(key, ",") {
+				t.Fatalf("%q: accepted bare as key %q", value, key)
+			}
+			return
+		}
+		quoted := `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(key) + `"`
+		if again, err := parseIdempotencyKey(quoted); err != nil || again != key {
+			t.Fatalf("%q: key %q quoted as %s reads as %q (%v)", value, key, quoted, again, err)
 		}
 	})
 }

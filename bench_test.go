@@ -272,20 +272,8 @@ func benchClient(clients int) *http.Client {
 // postOrder sends POST /api/orders with key and returns the response's
 // status and body.
 func postOrder(client *http.Client, baseURL, key, body string) (int, []byte, error) {
-	req, err := http.NewRequest("POST", baseURL+"/api/orders", strings.NewReader(body))
-	if err != nil {
-		return 0, nil, err
-	}
-	req.Header.Set("Authorization", "Bearer "+keyUser42)
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Idempotency-Key", key)
-	resp, err := client.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(resp.Body)
-	return resp.StatusCode, data, err
+	r, err := sendWith(client, "POST", baseURL+"/api/orders", keyUser42, key, body)
+	return r.Status, []byte(r.Body), err
 }
 
 // runClients runs do b.N times in all, spread over exactly clients

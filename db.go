@@ -489,13 +489,16 @@ func isBusy(err error) bool {
 	return code == sqlite3.SQLITE_BUSY || code == sqlite3.SQLITE_LOCKED
 }
 
-// isDatabaseUnavailable reports whether err is the database out of reach:
-// PostgreSQL closed or refused the connection (shut down, restarted, the
-// backend terminated, too many clients) or it could not be reached. Like
+// isDatabaseUnavailable reports whether err is the database out of reach or
+// out of room: PostgreSQL closed or refused the connection (shut down,
+// restarted, the backend terminated, too many clients) or it could not be
+// reached; or the database could not write (SQLite's SQLITE_FULL, when the
+// file reaches max_page_count or the disk fills, SQLITE_IOERR and
+// SQLITE_NOMEM; PostgreSQL's disk full, out of memory and I/O error). Like
 // isBusy it is transient and says nothing about the request: whatever the
-// transaction wrote rolled back with the connection, the caller may retry,
-// and an HTTP client gets 503, never 500; a consumer counts nothing
-// against the message.
+// transaction wrote rolled back with it, the caller may retry, and an HTTP
+// client gets 503, never 500; a consumer counts nothing against the
+// message.
 func isDatabaseUnavailable(err error) bool {
 	code := postgresCode(err)
 	switch {
@@ -503,14 +506,27 @@ func isDatabaseUnavailable(err error) bool {
 		return true
 	case code == "57P01", code == "57P02", code == "57P03": // admin or crash shutdown, cannot connect now
 		return true
-	case code == "53300": // too many connections
+	case strings.HasPrefix(code, "53"): // insufficient resources: disk full, out of memory, too many connections
+		return true
+	case code == "58030": // I/O error
 		return true
 	}
 	var connectErr *pgconn.ConnectError
-	return errors.As(err, &connectErr) ||
+	if errors.As(err, &connectErr) ||
 		errors.Is(err, pgconn.ErrConnClosed) ||
 		errors.Is(err, driver.ErrBadConn) ||
-		errors.Is(err, io.ErrUnexpectedEOF)
+		errors.Is(err, io.ErrUnexpectedEOF) {
+		return true
+	}
+	var sqliteErr *sqlite.Error
+	if !errors.As(err, &sqliteErr) {
+		return false
+	}
+	switch sqliteErr.Code() & 0xff { // the primary code; extended codes add bits above
+	case sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_NOMEM:
+		return true
+	}
+	return false
 }
 
 // isUniqueViolation reports whether err is a UNIQUE or PRIMARY KEY conflict.

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -287,18 +288,39 @@ const (
 	testWebhookSecret = "whsec_test"
 )
 
-// newTestServer serves env's API on a loopback port until the test ends.
-func newTestServer(tb testing.TB, env *testEnv) *httptest.Server {
-	tb.Helper()
-	s := &server{
+// newTestAPI returns the API of env, with the test users' keys.
+func newTestAPI(env *testEnv) *server {
+	return &server{
 		app:           env.app,
 		apiKeys:       map[string]string{keyUser42: "user-42", keyUser7: "user-7"},
 		webhookSecret: []byte(testWebhookSecret),
 		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
-	ts := httptest.NewServer(s.routes())
+}
+
+// newTestServer serves env's API on a loopback port until the test ends.
+func newTestServer(tb testing.TB, env *testEnv) *httptest.Server {
+	tb.Helper()
+	ts := httptest.NewServer(newTestAPI(env).routes())
 	tb.Cleanup(ts.Close)
 	return ts
+}
+
+// newUnwaitedTestServer serves env's API on a loopback port until the test
+// ends, and returns its base URL. Unlike newTestServer it ends without
+// waiting for its handlers (httptest.Server.Close waits for every request
+// in flight): a test that finds requests hung must fail saying so, not
+// hang in its cleanup.
+func newUnwaitedTestServer(tb testing.TB, env *testEnv) string {
+	tb.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	httpServer := &http.Server{Handler: newTestAPI(env).routes()}
+	go httpServer.Serve(listener) // returns once Close closes the listener
+	tb.Cleanup(func() { httpServer.Close() })
+	return "http://" + listener.Addr().String()
 }
 
 // response is what a test client saw.
@@ -306,6 +328,29 @@ type response struct {
 	Status int
 	Header http.Header
 	Body   string
+}
+
+// sendWith sends a JSON request to url with client, as the user of apiKey,
+// under idempotencyKey. Unlike call it may run on any goroutine: it
+// returns its failure.
+func sendWith(client *http.Client, method, url, apiKey, idempotencyKey, body string) (response, error) {
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		return response{}, err
+	}
+	req.Header.Set("Authorization", "Bearer "+apiKey)
+	req.Header.Set("Idempotency-Key", idempotencyKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		return response{}, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return response{}, err
+	}
+	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, nil
 }
 
 // call sends a request with optional body, API key and idempotency key.
@@ -324,9 +369,15 @@ func call(tb testing.TB, ts *httptest.Server, method, path, apiKey, idempotencyK
 	if body != "" {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	return roundTrip(tb, ts, req)
+}
+
+// roundTrip sends req to ts and returns what came back.
+func roundTrip(tb testing.TB, ts *httptest.Server, req *http.Request) response {
+	tb.Helper()
 	resp, err := ts.Client().Do(req)
 	if err != nil {
-		tb.Fatalf("%s %s: %v", method, path, err)
+		tb.Fatalf("%s %s: %v", req.Method, req.URL.Path, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(resp.Body)

@@ -5,8 +5,11 @@
 // requests that arrive while a transaction is running wait for it, then
 // run together, each in its own SAVEPOINT of one transaction, and commit
 // together. A request that fails rolls back to its savepoint and takes
-// nothing else with it. No request returns before the commit that holds
-// its writes (durable, at --durability=full).
+// nothing else with it; one whose failure takes SQLite's whole
+// transaction down (a full disk) is answered alone, and the others run
+// again without it. No request returns before the commit that holds its
+// writes (durable, at --durability=full), and every request taken into a
+// batch gets exactly one answer, whatever fails.
 //
 // Leader and follower, as PostgreSQL's WAL-insert leader: the request that
 // finds no batch running leads one, on its own goroutine: its own work
@@ -25,6 +28,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 )
 
@@ -113,64 +117,165 @@ func newGroupRequest(ctx context.Context, fn func(ctx context.Context, tx *sql.T
 }
 
 // lead runs one batch: first's work, then that of the followers waiting,
-// each in a savepoint, all in one transaction; commits it; tells each
-// follower how its work went; and hands the lead to the first request that
-// queued since, if any. Returns first's error (or goes on with its panic).
-// The caller must have set g.leading.
+// each in a savepoint, all in one transaction; commits it; answers every
+// request it took, first included, exactly once; and hands the lead to the
+// first request that queued since, if any. Returns first's error (or goes
+// on with its panic). The caller must have set g.leading.
+//
+// A request whose work fails rolls back its savepoint only. But SQLite
+// rolls back the whole transaction when a statement fails with
+// SQLITE_FULL (the file reached max_page_count, or the disk is full),
+// SQLITE_IOERR or SQLITE_NOMEM: the savepoint is gone, and with it every
+// member's writes. Then the member at fault is answered with its failure,
+// and the others run again, in a fresh transaction without it (see
+// runAgain).
 func (g *groupCommitter) lead(first groupRequest) error {
-	var own groupOutcome
-	var followers []groupRequest
-	var outcomes []groupOutcome
+	b := &batch{members: []groupRequest{first}}
+	defer func() {
+		// Only a panic of the batch's own code gets here with members
+		// unanswered (runRecovered catches a request's): each still gets
+		// its answer, or it would wait for ever, and serve's shutdown
+		// with it; the panic goes on in first's goroutine.
+		b.answerAll(groupOutcome{err: fmt.Errorf("%w: the group commit panicked", errBatchLost)})
+		g.handOver()
+	}()
 	err := withTx(context.Background(), g.db, func(tx *sql.Tx) error {
-		followers, outcomes = nil, nil
+		b.outcomes = nil
 		// The leader's work runs first, alone in the transaction: if it
 		// fails, the transaction rolls back with nothing else in it, so it
 		// needs no savepoint, and a lone request runs exactly as in a
 		// transaction of its own.
-		own = runRecovered(first.fn, tx)
+		own := runRecovered(first.fn, tx)
+		b.outcomes = append(b.outcomes, own)
 		if own.failed() {
 			return errLeaderFailed
 		}
 		// Those that queued while the batch ran join it: nobody waits for a
 		// batch to fill, so a lone request commits at once, and under load
 		// a batch grows by itself while the previous one commits.
-		for len(followers) < maxGroupCommit-1 {
-			joining := g.takeWaiting(maxGroupCommit - 1 - len(followers))
+		for len(b.members) < maxGroupCommit {
+			joining := g.takeWaiting(maxGroupCommit - len(b.members))
 			if len(joining) == 0 {
 				break
 			}
+			b.members = append(b.members, joining...)
 			for _, follower := range joining {
-				outcome, err := runInSavepoint(tx, follower.fn)
-				if err != nil {
+				if err := b.runMember(tx, follower); err != nil {
 					return err
 				}
-				followers = append(followers, follower)
-				outcomes = append(outcomes, outcome)
 			}
 		}
 		return nil
 	})
-	for i, follower := range followers {
-		if err != nil {
-			// The commit failed: nothing of the batch is stored.
-			follower.done <- groupOutcome{err: err}
-			continue
-		}
-		follower.done <- outcomes[i]
+	for b.settle(err) {
+		err = b.runAgain(g.db)
 	}
-	g.handOver()
-	if own.failed() {
-		return own.result()
-	}
-	if err != nil {
-		return err
-	}
-	return own.result()
+	return (<-first.done).result()
 }
 
-// errLeaderFailed rolls back a batch whose leader's work failed; it never
-// reaches a caller (lead returns the work's own error).
-var errLeaderFailed = errors.New("the leader's work failed")
+// runAgain runs the work of b's members again, each in a savepoint of a
+// fresh transaction, after their previous transaction was lost to another
+// member (see settle).
+//
+// They run again, rather than being answered 503 with the member at
+// fault, because what lost the transaction was one statement of one
+// member, and without it the others may well fit: the members before it
+// did, on a file with room for a few more orders; the statement that ran
+// out of memory may have been the one big request. It cannot go on for
+// ever on a disk that stays full: each lost transaction answers its member
+// at fault, so there are at most as many runs as members, and no new
+// follower joins them (those wait for the next leader). The price, on a
+// full disk, is running the members before the one at fault again for
+// each run: at most about maxGroupCommit²/2 members' work, once, instead
+// of failing requests that fit.
+func (b *batch) runAgain(db *sql.DB) error {
+	return withTx(context.Background(), db, func(tx *sql.Tx) error {
+		b.outcomes = nil
+		for _, member := range b.members {
+			if err := b.runMember(tx, member); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// batch is the requests that one leader has taken, until each has had its
+// one answer.
+type batch struct {
+	// members are the requests taken and not answered yet, in the order
+	// their work runs.
+	members []groupRequest
+	// outcomes say how the work of members[:len(outcomes)] went in the
+	// current transaction.
+	outcomes []groupOutcome
+}
+
+// runMember runs member's work in a savepoint of tx and records how it
+// went. Returns an error wrapping errBatchLost if the transaction is lost
+// or unusable: the member's savepoint could not be opened, rolled back or
+// released.
+func (b *batch) runMember(tx *sql.Tx, member groupRequest) error {
+	outcome, err := runInSavepoint(tx, member.fn)
+	b.outcomes = append(b.outcomes, outcome)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errBatchLost, err)
+	}
+	return nil
+}
+
+// settle answers b's members after a transaction that ended with err, and
+// reports whether the members left must run again:
+//   - committed (err nil): each gets how its work went;
+//   - first's own work failed (errLeaderFailed): it rolled back alone, and
+//     first gets how its work failed;
+//   - lost part-way (errBatchLost): the member whose work or savepoint lost
+//     it gets its failure, and the others must run again;
+//   - BEGIN or COMMIT failed: nothing of it is stored, and each gets err.
+func (b *batch) settle(err error) bool {
+	switch {
+	case err == nil, errors.Is(err, errLeaderFailed):
+		for i, member := range b.members {
+			member.done <- b.outcomes[i]
+		}
+		b.members = nil
+		return false
+	case errors.Is(err, errBatchLost):
+		atFault := len(b.outcomes) - 1
+		outcome := b.outcomes[atFault]
+		if !outcome.failed() {
+			// Its work went well, and its savepoint did not: it is the
+			// one the transaction was lost at all the same.
+			outcome = groupOutcome{err: err}
+		}
+		b.members[atFault].done <- outcome
+		b.members = slices.Delete(b.members, atFault, atFault+1)
+		return len(b.members) > 0
+	default:
+		b.answerAll(groupOutcome{err: err})
+		return false
+	}
+}
+
+// answerAll answers every member not answered yet with outcome.
+func (b *batch) answerAll(outcome groupOutcome) {
+	for _, member := range b.members {
+		member.done <- outcome
+	}
+	b.members = nil
+}
+
+// Why a batch failed as a whole.
+var (
+	// errLeaderFailed rolls back a batch whose leader's work failed; it
+	// never reaches a caller (the leader gets its work's own error).
+	errLeaderFailed = errors.New("the leader's work failed")
+	// errBatchLost: a group commit's transaction was lost part-way (SQLite
+	// rolled it all back, or a savepoint statement failed), so nothing of
+	// it is stored. It is transient: the request may be retried under the
+	// same key, and an HTTP client gets 503, never 500.
+	errBatchLost = errors.New("the group commit's transaction was lost")
+)
 
 // takeWaiting removes up to n waiting followers from the queue and returns
 // them.
@@ -199,7 +304,8 @@ func (g *groupCommitter) handOver() {
 
 // runInSavepoint runs fn in a savepoint of tx and returns how it went; fn's
 // writes are rolled back if it fails or panics. The error is the
-// savepoint's own: the transaction is unusable and the whole batch fails.
+// savepoint's own (the outcome says how fn went, if it ran): the
+// transaction is lost or unusable, and the whole batch with it.
 func runInSavepoint(tx *sql.Tx, fn func(tx *sql.Tx) error) (groupOutcome, error) {
 	if _, err := tx.Exec(`SAVEPOINT request`); err != nil {
 		return groupOutcome{}, fmt.Errorf("savepoint: %w", err)
@@ -207,11 +313,11 @@ func runInSavepoint(tx *sql.Tx, fn func(tx *sql.Tx) error) (groupOutcome, error)
 	outcome := runRecovered(fn, tx)
 	if outcome.failed() {
 		if _, err := tx.Exec(`ROLLBACK TO request`); err != nil {
-			return groupOutcome{}, fmt.Errorf("rollback to savepoint: %w", err)
+			return outcome, fmt.Errorf("rollback to savepoint: %w", err)
 		}
 	}
 	if _, err := tx.Exec(`RELEASE request`); err != nil {
-		return groupOutcome{}, fmt.Errorf("release savepoint: %w", err)
+		return outcome, fmt.Errorf("release savepoint: %w", err)
 	}
 	return outcome, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -152,7 +153,8 @@ func TestSchemasAgree(t *testing.T) {
 // down or restarted, the backend terminated, no connection to be had) is
 // answered 503 with Retry-After, as a busy database is: nothing was stored,
 // and the client may retry with the same key. A chaos outage on
-// PostgreSQL answered 753 requests 500 before.
+// PostgreSQL answered 753 requests 500 before. So is one that finds the
+// database out of room (a full disk, no memory, a failed write).
 func TestDatabaseUnavailableIs503(t *testing.T) {
 	s := &server{logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	for _, err := range []error{
@@ -161,6 +163,12 @@ func TestDatabaseUnavailableIs503(t *testing.T) {
 		fmt.Errorf("begin: %w", &pgconn.PgError{Code: "53300", Message: "too many clients already"}),
 		fmt.Errorf("read order: %w", driver.ErrBadConn),
 		fmt.Errorf("commit: %w", pgconn.ErrConnClosed),
+		// Out of room: the disk is full, memory ran out, the disk failed.
+		fmt.Errorf("insert order: %w", &pgconn.PgError{Code: "53100", Message: "could not extend file: No space left on device"}),
+		fmt.Errorf("insert order: %w", &pgconn.PgError{Code: "53200", Message: "out of memory"}),
+		fmt.Errorf("commit: %w", &pgconn.PgError{Code: "58030", Message: "could not fsync file"}),
+		// A group commit whose transaction another member lost.
+		fmt.Errorf("%w: release savepoint: %w", errBatchLost, errors.New("no such savepoint: request")),
 	} {
 		recorder := httptest.NewRecorder()
 		s.writeError(recorder, httptest.NewRequest("POST", "/api/orders", nil), err)

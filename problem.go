@@ -41,7 +41,7 @@ const (
 var problemDocs = map[problemType]string{
 	problemValidation:         "The request body is not a valid request. Fix the fields named in errors and send it again; the same Idempotency-Key may be reused, since nothing was stored.",
 	problemKeyMissing:         "POST requests must carry an Idempotency-Key header: 1 to 255 printable ASCII characters, unique per operation (a UUID v4 is a good choice).",
-	problemKeyInvalid:         "The Idempotency-Key header must be sent once, with 1 to 255 printable ASCII characters (a UUID v4 is a good choice).",
+	problemKeyInvalid:         "The Idempotency-Key header must be sent once, holding one key of 1 to 255 printable ASCII characters (a UUID v4 is a good choice): bare, without a comma (a proxy joins two header lines with one), or as a quoted string, the IETF draft's form (RFC 8941: \\\" and \\\\ escaped, nothing after the closing quote). Nothing was stored.",
 	problemKeyReused:          "This Idempotency-Key was first used with a different request (method, path or body). Nothing was done. Use a new key for a new operation; reuse a key only to retry the very same request.",
 	problemKeyInProgress:      "A request with this Idempotency-Key is still being processed. Retry after the Retry-After delay; you will get its result.",
 	problemKeyExpired:         "This Idempotency-Key already made a refund of this order, and it has expired, so it no longer replays that refund's answer. The refund stays recorded under the key for ever, so the key cannot make another refund of the same order: nothing was done. Send a new Idempotency-Key for a new refund. This outcome is stored under the Idempotency-Key.",

@@ -542,21 +542,5 @@ func TestHTTPRefundKeyExpiry(t *testing.T) {
 // send is call for a goroutine other than the test's: it returns the
 // failure instead of ending the test.
 func send(ts *httptest.Server, method, path, apiKey, idempotencyKey, body string) (response, error) {
-	req, err := http.NewRequest(method, ts.URL+path, strings.NewReader(body))
-	if err != nil {
-		return response{}, err
-	}
-	req.Header.Set("Authorization", "Bearer "+apiKey)
-	req.Header.Set("Idempotency-Key", idempotencyKey)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := ts.Client().Do(req)
-	if err != nil {
-		return response{}, err
-	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return response{}, err
-	}
-	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}, nil
+	return sendWith(ts.Client(), method, ts.URL+path, apiKey, idempotencyKey, body)
 }

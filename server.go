@@ -220,36 +220,106 @@ func writeAPIResponse(w http.ResponseWriter, response apiResponse) {
 }
 
 // idempotencyKeyFrom reads the Idempotency-Key header. Returns a problem if
-// it is missing, empty, longer than maxKeyLength, or not printable ASCII. The
-// IETF draft sends the key as a quoted string; both forms are accepted.
+// it is missing, sent more than once, or not one key (see
+// parseIdempotencyKey).
 func idempotencyKeyFrom(r *http.Request) (string, *problem) {
 	values := r.Header.Values("Idempotency-Key")
 	if len(values) > 1 {
 		return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
 			Detail: "send exactly one Idempotency-Key header"}
 	}
-	key := ""
-	if len(values) == 1 {
-		key = values[0]
+	if len(values) == 0 || strings.Trim(values[0], " ") == "" {
+		return "", &problem{Type: problemKeyMissing, Title: "Missing Idempotency-Key", Status: 400,
+			Detail: "this request needs an Idempotency-Key header"}
 	}
-	if len(key) >= 2 && strings.HasPrefix(key, `"`) && strings.HasSuffix(key, `"`) {
-		key = key[1 : len(key)-1]
+	key, err := parseIdempotencyKey(values[0])
+	if err != nil {
+		return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400, Detail: err.Error()}
+	}
+	return key, nil
+}
+
+// parseIdempotencyKey returns the key an Idempotency-Key field value holds,
+// in either of two forms that name the same key:
+//   - the IETF draft's (draft-ietf-httpapi-idempotency-key-header): a
+//     Structured Field Item of type String, "8e03978e-40d5-43e8", with "
+//     and \ escaped by a backslash (RFC 8941, section 4.2.5);
+//   - Stripe's bare key, pay-req-user-42-cart-7, taken as it is.
+//
+// Either way the key is 1 to maxKeyLength printable ASCII characters.
+// Returns an error naming the header if the value is a list, has
+// parameters or anything else after its quoted string, or holds a
+// character outside printable ASCII.
+//
+// A bare key may not hold a comma. A proxy may fold two Idempotency-Key
+// lines into one, joined by a comma (RFC 9110, section 5.3): "k1, k1" is
+// two keys, and taken as one new key it made a second order where the
+// same two lines unfolded are refused.
+func parseIdempotencyKey(value string) (string, error) {
+	// Spaces around a value are not part of it (RFC 8941, section 4.2).
+	value = strings.Trim(value, " ")
+	key := value
+	if strings.HasPrefix(value, `"`) {
+		quoted, rest, err := parseQuotedString(value)
+		if err != nil {
+			return "", err
+		}
+		switch rest = strings.TrimLeft(rest, " "); {
+		case rest == "":
+			key = quoted
+		case rest[0] == ',':
+			return "", errKeyList
+		case rest[0] == ';':
+			return "", errors.New("Idempotency-Key has parameters after its quoted string; send the key alone")
+		default:
+			return "", errors.New("Idempotency-Key has text after its quoted string; send one quoted string, or the key bare")
+		}
+	} else if strings.Contains(value, ",") {
+		return "", errKeyList
 	}
 	switch {
 	case key == "":
-		return "", &problem{Type: problemKeyMissing, Title: "Missing Idempotency-Key", Status: 400,
-			Detail: "this request needs an Idempotency-Key header"}
+		return "", errors.New("Idempotency-Key is an empty string")
 	case len(key) > maxKeyLength:
-		return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
-			Detail: fmt.Sprintf("Idempotency-Key is %d characters; the limit is %d", len(key), maxKeyLength)}
+		return "", fmt.Errorf("Idempotency-Key is %d characters; the limit is %d", len(key), maxKeyLength)
 	}
 	for _, c := range []byte(key) {
 		if c < 0x20 || c > 0x7e {
-			return "", &problem{Type: problemKeyInvalid, Title: "Invalid Idempotency-Key", Status: 400,
-				Detail: "Idempotency-Key must be printable ASCII"}
+			return "", errors.New("Idempotency-Key must be printable ASCII")
 		}
 	}
 	return key, nil
+}
+
+// errKeyList refuses an Idempotency-Key that is a list: two header lines
+// that a proxy folded into one, or a bare key with a comma, which cannot be
+// told from them.
+var errKeyList = errors.New("Idempotency-Key holds a list (a comma outside a quoted string): send exactly one key, in one header line (a proxy joins two lines with a comma)")
+
+// parseQuotedString parses the sf-string that value starts with (RFC 8941,
+// section 4.2.5) and returns what it holds and what follows it. Returns an
+// error if it has no closing quote, escapes a character other than " and
+// \, or holds one outside printable ASCII.
+func parseQuotedString(value string) (quoted, rest string, err error) {
+	var b strings.Builder
+	for i := 1; i < len(value); i++ {
+		c := value[i]
+		switch {
+		case c == '\\':
+			i++
+			if i == len(value) || (value[i] != '"' && value[i] != '\\') {
+				return "", "", errors.New(`Idempotency-Key's quoted string escapes a character other than " and \`)
+			}
+			b.WriteByte(value[i])
+		case c == '"':
+			return b.String(), value[i+1:], nil
+		case c < 0x20 || c > 0x7e:
+			return "", "", errors.New("Idempotency-Key must be printable ASCII")
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", "", errors.New("Idempotency-Key's quoted string has no closing quote")
 }
 
 // readJSONBody reads a JSON request body, at most maxBodyBytes. An empty
@@ -428,8 +498,8 @@ func (s *server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemKeyInProgress, Title: "Request in progress", Status: http.StatusConflict,
 			Detail: "a request with this Idempotency-Key is in progress; retry later for its result"})
-	case isBusy(err), isDatabaseUnavailable(err), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded), errors.Is(err, errRefundInFlight),
-		errors.Is(err, errPaymentNotRecorded):
+	case isBusy(err), isDatabaseUnavailable(err), errors.Is(err, errBatchLost), errors.Is(err, errProcessorTimeout), errors.Is(err, context.DeadlineExceeded),
+		errors.Is(err, errRefundInFlight), errors.Is(err, errPaymentNotRecorded):
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, problem{Type: problemUnavailable, Title: "Temporarily unavailable", Status: http.StatusServiceUnavailable,
 			Detail: "a transient failure; the request may or may not have taken effect: retry with the same Idempotency-Key to get its outcome"})

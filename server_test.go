@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -101,16 +100,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 			if tt.mutateReq != nil {
 				tt.mutateReq(req)
 			}
-			resp, err := ts.Client().Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			data, err := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			got := response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+			got := roundTrip(t, ts, req)
 			if got.Status != tt.status || problemTypeOf(t, got) != tt.problem {
 				t.Errorf("%s: got %d %s, want %d %s", tt.name, got.Status, got.Body, tt.status, tt.problem)
 			}
@@ -121,6 +111,75 @@ func TestHTTPCreateOrder(t *testing.T) {
 		// The key "k" was never stored: fixing the body and retrying works.
 		if fixed := call(t, ts, "POST", "/api/orders", keyUser42, "k", body); fixed.Status != 201 {
 			t.Fatalf("the fixed request got %d %s, want 201", fixed.Status, fixed.Body)
+		}
+	})
+
+	// Ensure an Idempotency-Key that is not exactly one key is refused, as
+	// two header lines are, with a 400 naming the header, by every endpoint
+	// that takes one, and nothing is stored. A proxy may fold two lines
+	// into one, "k1, k1" (RFC 9110, section 5.3): taken as a new key, it
+	// made a second order.
+	t.Run("FoldedKeyHeaderIsRefused", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		first := call(t, ts, "POST", "/api/orders", keyUser42, "k1", body)
+		if first.Status != 201 {
+			t.Fatalf("got %d %s, want 201", first.Status, first.Body)
+		}
+		endpoints := [][2]string{ // a path, and a body it takes
+			{"/api/orders", body},
+			{refundPath(orderField([]byte(first.Body), "order_id")), `{}`},
+		}
+		for _, endpoint := range endpoints {
+			path, body := endpoint[0], endpoint[1]
+			for _, lines := range [][]string{
+				{"k1", "k1"},       // two lines
+				{"k1, k1"},         // the same two, folded by a proxy
+				{`"k1", "k1"`},     // the draft's form, folded
+				{`"k1","k2"`},      // two keys
+				{"k1,"},            // folded with an empty line
+				{`"k1";expires=1`}, // parameters
+				{`"k1"k1`},         // text after the quoted string
+				{`"k1`},            // no closing quote
+				{`"k\1"`},          // an escape RFC 8941 does not have
+			} {
+				req, err := http.NewRequest("POST", ts.URL+path, strings.NewReader(body))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Authorization", "Bearer "+keyUser42)
+				req.Header.Set("Content-Type", "application/json")
+				req.Header["Idempotency-Key"] = lines
+				got := roundTrip(t, ts, req)
+				if got.Status != 400 || problemTypeOf(t, got) != problemKeyInvalid || !strings.Contains(got.Body, "Idempotency-Key") {
+					t.Errorf("POST %s with Idempotency-Key %q: got %d %s, want 400 %s naming the header", path, lines, got.Status, got.Body, problemKeyInvalid)
+				}
+			}
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM idempotency_keys) + (SELECT COUNT(*) FROM orders) + (SELECT COUNT(*) FROM refunds)`); n != 2 {
+			t.Fatalf("got %d rows in idempotency_keys, orders and refunds, want k1's key and order", n)
+		}
+	})
+
+	// Ensure the IETF draft's quoted key (an RFC 8941 string) and the same
+	// key bare are one key: the retry replays, whichever form each sends.
+	t.Run("QuotedAndBareKeyAreOneKey", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		for _, forms := range [][2]string{
+			{`pay-req-user-42-cart-7`, `"pay-req-user-42-cart-7"`},
+			{`"say \"hi\" \\ bye"`, `say "hi" \ bye`},
+		} {
+			first := call(t, ts, "POST", "/api/orders", keyUser42, forms[0], body)
+			again := call(t, ts, "POST", "/api/orders", keyUser42, forms[1], body)
+			if first.Status != 201 || again.Body != first.Body || again.Header.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("%s then %s: got %d %s then %d %q %s, want the replay", forms[0], forms[1],
+					first.Status, first.Body, again.Status, again.Header.Get("Idempotent-Replayed"), again.Body)
+			}
+		}
+		stored := env.count(t, `SELECT COUNT(*) FROM orders WHERE idempotency_key IN (?, ?)`, `pay-req-user-42-cart-7`, `say "hi" \ bye`)
+		if all := env.count(t, `SELECT COUNT(*) FROM orders`); stored != 2 || all != 2 {
+			t.Fatalf("got %d orders, %d of them under the keys as read, want one under each", all, stored)
 		}
 	})
 
