@@ -626,7 +626,7 @@ func newInspectCommand() *cobra.Command {
 			}
 			err = inspect(cmd.Context(), db, cmd.OutOrStdout(), opts)
 			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", orderID, redactURL(dbPath), redactURL(dbPath))
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(orderID), redactURL(dbPath), redactURL(dbPath))
 			}
 			return err
 		},
@@ -664,7 +664,7 @@ func newTraceCommand() *cobra.Command {
 			defer db.Close()
 			t, err := traceOrder(cmd.Context(), db, args[0])
 			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", args[0], redactURL(dbPath), redactURL(dbPath))
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(args[0]), redactURL(dbPath), redactURL(dbPath))
 			}
 			if err != nil {
 				return err
