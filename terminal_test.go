@@ -54,6 +54,9 @@ const (
 	// An order id in a request's path (percent-encoded on the wire),
 	// which the key of the request stores.
 	hostilePathID = "ord_\x1b[2K\r\nVIOLATION forged: path"
+	// One whose bytes are not UTF-8 (SQLite stores them; PostgreSQL
+	// refuses them, and the request answers 500).
+	hostileBytesPathID = "ord_\xff\x9b2K"
 )
 
 // forgedLines start the lines that the hostile strings would forge.
@@ -302,6 +305,12 @@ func seedHostileDatabase(t *testing.T) *hostileDatabase {
 	if n := env.count(t, `SELECT COUNT(*) FROM idempotency_keys WHERE request_path = ?`, h.hostilePath); n != 1 {
 		t.Fatalf("the key of the hostile path was not stored (%d rows)", n)
 	}
+	if !onPostgres() {
+		call(t, ts, "POST", "/api/orders/"+url.PathEscape(hostileBytesPathID)+"/refund", keyUser42, "k-bytes", "{}")
+		if n := env.count(t, `SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = 'k-bytes'`); n != 1 {
+			t.Fatalf("the key of the path that is not UTF-8 was not stored (%d rows)", n)
+		}
+	}
 
 	// A message another publisher put on the broker, with a hostile id
 	// and a hostile order id: the payment service makes it poison.
@@ -352,6 +361,15 @@ func seedHostileDatabase(t *testing.T) *hostileDatabase {
 	return h
 }
 
+// onSQLiteOnly returns shows, or nothing on PostgreSQL, which refuses
+// strings that are not UTF-8.
+func onSQLiteOnly(shows ...string) []string {
+	if onPostgres() {
+		return nil
+	}
+	return shows
+}
+
 // commandPaths returns the path of every command of the tree under cmd
 // that runs (not the groups, such as "saga"), without the root's name.
 func commandPaths(cmd *cobra.Command) []string {
@@ -394,7 +412,8 @@ func TestEveryCommandEscapesHostileText(t *testing.T) {
 		{args: []string{"check", "--db", db, "--in-flight"}, shows: []string{hostileBrokerError}},
 		{args: []string{"inspect", "--db", db}, shows: append([]string{hostileTitle, hostileMessageID, hostilePathID}, webhookPoison...)},
 		{args: []string{"inspect", "--db", db, "--wide"},
-			shows: append([]string{hostileTitle, hostileMessageID, hostilePathID, hostileUser, hostileCharge, hostileOrderID, hostileBrokerError}, webhookPoison...)},
+			shows: slices.Concat([]string{hostileTitle, hostileMessageID, hostilePathID, hostileUser, hostileCharge, hostileOrderID, hostileBrokerError},
+				webhookPoison, onSQLiteOnly(hostileBytesPathID))},
 		{args: []string{"inspect", "--db", db, "--json"}},
 		{args: []string{"inspect", "--db", db, "--wide", "--order", h.hostileUsersOrderID}, shows: []string{hostileUser}},
 		{args: []string{"inspect", "--db", db, "--order", hostilePathID}, shows: []string{hostilePathID}},
