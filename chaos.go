@@ -863,7 +863,9 @@ func newChaosCommand() *cobra.Command {
 				logFile.Close()
 				cfg.LogPath = logFile.Name()
 			}
-			cfg.Progress = cmd.OutOrStdout()
+			// The progress bar redraws itself with a CR: it goes around
+			// the terminalWriter, and holds only numbers.
+			cfg.Progress = underTerminalWriter(cmd.OutOrStdout())
 			broker := "the embedded broker"
 			switch {
 			case cfg.NATSServer != "":

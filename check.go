@@ -276,7 +276,7 @@ func printAudit(w io.Writer, violations []violation, settled bool) error {
 		return nil
 	}
 	for _, v := range violations {
-		fmt.Fprintf(w, "VIOLATION %s: %s\n", v.Invariant, v.Detail)
+		fmt.Fprintf(w, "VIOLATION %s: %s\n", v.Invariant, terminalSafe(v.Detail))
 	}
 	return fmt.Errorf("%d violations of %d invariants", len(violations), checked)
 }

@@ -296,9 +296,9 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, opts inspectOptions) 
 			return "-"
 		}
 		if opts.view == inspectWide || whole {
-			return fmt.Sprint(v)
+			return terminalSafe(fmt.Sprint(v))
 		}
-		return shortIDs(fmt.Sprint(v))
+		return shortIDs(terminalSafe(fmt.Sprint(v)))
 	}
 	for _, table := range inspectedTables {
 		dump := dumps[table.name]
@@ -342,6 +342,7 @@ func inspect(ctx context.Context, db *sql.DB, w io.Writer, opts inspectOptions) 
 			if opts.orderID != "" && !strings.Contains(detail, opts.orderID) {
 				continue
 			}
+			detail = terminalSafe(detail)
 			if opts.view != inspectWide {
 				detail = shortIDs(detail)
 			}

@@ -50,13 +50,21 @@ func main() {
 }
 
 // run executes the command line args. Cobra has printed the error, if any.
+// What the commands print passes through a terminalWriter (terminal.go).
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	out, errOut := newTerminalWriter(stdout), newTerminalWriter(stderr)
 	root := newRootCommand()
 	root.SetArgs(args)
 	root.SetIn(stdin)
-	root.SetOut(stdout)
-	root.SetErr(stderr)
-	return root.ExecuteContext(ctx)
+	root.SetOut(out)
+	root.SetErr(errOut)
+	err := root.ExecuteContext(ctx)
+	for _, w := range []*terminalWriter{out, errOut} {
+		if flushErr := w.flush(); err == nil {
+			err = flushErr
+		}
+	}
+	return err
 }
 
 // newRootCommand builds the command tree. It is built fresh for every run, so
@@ -618,7 +626,7 @@ func newInspectCommand() *cobra.Command {
 			}
 			err = inspect(cmd.Context(), db, cmd.OutOrStdout(), opts)
 			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", orderID, redactURL(dbPath), redactURL(dbPath))
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(orderID), redactURL(dbPath), redactURL(dbPath))
 			}
 			return err
 		},
@@ -656,7 +664,7 @@ func newTraceCommand() *cobra.Command {
 			defer db.Close()
 			t, err := traceOrder(cmd.Context(), db, args[0])
 			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", args[0], redactURL(dbPath), redactURL(dbPath))
+				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(args[0]), redactURL(dbPath), redactURL(dbPath))
 			}
 			if err != nil {
 				return err

@@ -74,7 +74,7 @@ func logRepair(ctx context.Context, tx *sql.Tx, repairID, operator string, actio
 		VALUES (?, ?, ?, ?, ?, ?)`,
 		repairID, operator, action, target, result, formatTime(now))
 	if err != nil {
-		return fmt.Errorf("log repair of %s: %w", target, err)
+		return fmt.Errorf("log repair of %s: %w", terminalSafe(target), err)
 	}
 	return nil
 }
@@ -183,13 +183,13 @@ func failedEventsOf(ctx context.Context, tx *sql.Tx, target outboxRetryTarget) (
 	case len(failed) > 0:
 		return failed, nil
 	case target.EventID != "" && len(events) == 0:
-		return nil, fmt.Errorf("%w: no outbox event %s", errRepairNotFound, target.EventID)
+		return nil, fmt.Errorf("%w: no outbox event %s", errRepairNotFound, terminalSafe(target.EventID))
 	case target.EventID != "":
-		return nil, fmt.Errorf("%w: outbox event %s is %s, not failed; only a failed event goes back to pending", errRepairRefused, target.EventID, events[0].Status)
+		return nil, fmt.Errorf("%w: outbox event %s is %s, not failed; only a failed event goes back to pending", errRepairRefused, terminalSafe(target.EventID), events[0].Status)
 	case target.OrderID != "" && len(events) == 0:
-		return nil, fmt.Errorf("%w: no outbox event of order %s", errRepairNotFound, target.OrderID)
+		return nil, fmt.Errorf("%w: no outbox event of order %s", errRepairNotFound, terminalSafe(target.OrderID))
 	case target.OrderID != "":
-		return nil, fmt.Errorf("%w: order %s has no failed outbox event", errRepairRefused, target.OrderID)
+		return nil, fmt.Errorf("%w: order %s has no failed outbox event", errRepairRefused, terminalSafe(target.OrderID))
 	default:
 		return nil, fmt.Errorf("%w: no outbox event is failed", errRepairRefused)
 	}
@@ -249,22 +249,22 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 				// The webhook inbox: the card processor sends those again
 				// itself, as long as it gets a 5xx.
 				return fmt.Errorf("%w: %s is not a broker consumer, nothing can deliver %s to it again; the consumers are %s",
-					errRepairRefused, poison.Consumer, poison.MessageID, strings.Join(names, ", "))
+					errRepairRefused, terminalSafe(poison.Consumer), terminalSafe(poison.MessageID), strings.Join(names, ", "))
 			}
 			msg, err := replaySource(ctx, tx, poison.MessageID)
 			if err != nil {
 				return err
 			}
 			if !subscribes(c, msg.Subject) {
-				return fmt.Errorf("%w: %s does not subscribe to %s, the subject of %s", errRepairRefused, c.name, msg.Subject, msg.ID)
+				return fmt.Errorf("%w: %s does not subscribe to %s, the subject of %s", errRepairRefused, c.name, terminalSafe(msg.Subject), terminalSafe(msg.ID))
 			}
 			deleted, err := tx.ExecContext(ctx, `
 				DELETE FROM inbox_messages WHERE consumer = ? AND message_id = ? AND status = 'poison'`,
 				poison.Consumer, poison.MessageID)
 			if err != nil {
-				return fmt.Errorf("delete poison record of %s: %w", poison.MessageID, err)
+				return fmt.Errorf("delete poison record of %s: %w", terminalSafe(poison.MessageID), err)
 			}
-			if err := oneRowOr(deleted, fmt.Errorf("%w: %s is no longer poison for %s", errRepairRefused, poison.MessageID, poison.Consumer)); err != nil {
+			if err := oneRowOr(deleted, fmt.Errorf("%w: %s is no longer poison for %s", errRepairRefused, terminalSafe(poison.MessageID), terminalSafe(poison.Consumer))); err != nil {
 				return err
 			}
 			// Its failures were counted against the cause now fixed: the
@@ -272,7 +272,7 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			_, err = tx.ExecContext(ctx, `DELETE FROM inbox_failures WHERE consumer = ? AND message_id = ?`,
 				poison.Consumer, poison.MessageID)
 			if err != nil {
-				return fmt.Errorf("reset failures of %s: %w", poison.MessageID, err)
+				return fmt.Errorf("reset failures of %s: %w", terminalSafe(poison.MessageID), err)
 			}
 			id := fmt.Sprintf("%s-%d", repairID, i+1)
 			// Last, after every write: on NATS this publishes, and a
@@ -355,9 +355,9 @@ func poisonMessagesOf(ctx context.Context, tx *sql.Tx, target inboxReplayTarget)
 	case len(poison) > 0:
 		return poison, nil
 	case target.MessageID != "" && len(found) == 0:
-		return nil, fmt.Errorf("%w: %s inbox record of message %s", errRepairNotFound, scope, target.MessageID)
+		return nil, fmt.Errorf("%w: %s inbox record of message %s", errRepairNotFound, scope, terminalSafe(target.MessageID))
 	case target.MessageID != "":
-		return nil, fmt.Errorf("%w: message %s was applied by %s, not poison; only a poison message is delivered again", errRepairRefused, target.MessageID, found[0].Consumer)
+		return nil, fmt.Errorf("%w: message %s was applied by %s, not poison; only a poison message is delivered again", errRepairRefused, terminalSafe(target.MessageID), terminalSafe(found[0].Consumer))
 	default:
 		return nil, fmt.Errorf("%w: no message is poison for %s", errRepairRefused, scope)
 	}
@@ -379,10 +379,10 @@ func replaySource(ctx context.Context, tx *sql.Tx, messageID string) (message, e
 			messageID).Scan(&msg.Subject, &msg.Payload)
 	}
 	if errors.Is(err, sql.ErrNoRows) {
-		return message{}, fmt.Errorf("%w: message %s is in neither the outbox nor the broker any more, so there is nothing to deliver again", errRepairRefused, messageID)
+		return message{}, fmt.Errorf("%w: message %s is in neither the outbox nor the broker any more, so there is nothing to deliver again", errRepairRefused, terminalSafe(messageID))
 	}
 	if err != nil {
-		return message{}, fmt.Errorf("read message %s: %w", messageID, err)
+		return message{}, fmt.Errorf("read message %s: %w", terminalSafe(messageID), err)
 	}
 	return msg, nil
 }
@@ -406,9 +406,9 @@ func (b *embeddedBroker) replay(ctx context.Context, tx *sql.Tx, subscriber stri
 		SET status = 'pending', visible_at = excluded.visible_at, acked_at = NULL`,
 		subscriber, formatTime(b.now()), msg.ID)
 	if err != nil {
-		return fmt.Errorf("deliver %s to %s again: %w", msg.ID, subscriber, err)
+		return fmt.Errorf("deliver %s to %s again: %w", terminalSafe(msg.ID), subscriber, err)
 	}
-	return oneRowOr(queued, fmt.Errorf("%w: the embedded broker holds no copy of %s (if the workers use NATS JetStream, name it with --broker as they do)", errRepairRefused, msg.ID))
+	return oneRowOr(queued, fmt.Errorf("%w: the embedded broker holds no copy of %s (if the workers use NATS JetStream, name it with --broker as they do)", errRepairRefused, terminalSafe(msg.ID)))
 }
 
 // replayedMessageIDHeader carries, on a message that replays another, the
@@ -449,20 +449,20 @@ func (b *natsBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, 
 	// replay to a stream nobody reads would deliver nothing.
 	var embedded int
 	if err := tx.QueryRowContext(ctx, `SELECT COUNT(*) FROM broker_messages WHERE message_id = ?`, msg.ID).Scan(&embedded); err != nil {
-		return fmt.Errorf("look for %s in the embedded broker: %w", msg.ID, err)
+		return fmt.Errorf("look for %s in the embedded broker: %w", terminalSafe(msg.ID), err)
 	}
 	if embedded > 0 {
-		return fmt.Errorf("%w: the embedded broker holds %s, so the workers use it, not NATS JetStream; run without --broker", errRepairRefused, msg.ID)
+		return fmt.Errorf("%w: the embedded broker holds %s, so the workers use it, not NATS JetStream; run without --broker", errRepairRefused, terminalSafe(msg.ID))
 	}
 	natsMsg := nats.NewMsg(b.subject(msg.Subject))
 	natsMsg.Header.Set(jetstream.MsgIDHeader, replayID)
 	natsMsg.Header.Set(replayedMessageIDHeader, msg.ID)
 	natsMsg.Data = msg.Payload
 	if _, err := b.js.PublishMsg(ctx, natsMsg); err != nil {
-		return fmt.Errorf("publish %s again for %s: %w", msg.ID, subscriber, err)
+		return fmt.Errorf("publish %s again for %s: %w", terminalSafe(msg.ID), subscriber, err)
 	}
 	if err := b.conn.Publish(b.announceSubject(), nil); err != nil {
-		return fmt.Errorf("announce the replay of %s: %w", msg.ID, err)
+		return fmt.Errorf("announce the replay of %s: %w", terminalSafe(msg.ID), err)
 	}
 	return nil
 }
@@ -485,7 +485,7 @@ func (a *App) resumeSaga(ctx context.Context, operator, sagaID string) (repairRe
 		now := a.now()
 		saga, _, err := readSaga(ctx, tx, sagaID)
 		if errors.Is(err, sql.ErrNoRows) {
-			return fmt.Errorf("%w: no saga %s", errRepairNotFound, sagaID)
+			return fmt.Errorf("%w: no saga %s", errRepairNotFound, terminalSafe(sagaID))
 		}
 		if err != nil {
 			return err
@@ -497,10 +497,10 @@ func (a *App) resumeSaga(ctx context.Context, operator, sagaID string) (repairRe
 			WHERE saga_id = ? AND status = ?`,
 			sagaCompensating, formatTime(now), formatTime(now), sagaID, sagaCompensationFailed)
 		if err != nil {
-			return fmt.Errorf("resume saga %s: %w", sagaID, err)
+			return fmt.Errorf("resume saga %s: %w", terminalSafe(sagaID), err)
 		}
 		refused := fmt.Errorf("%w: saga %s of order %s is %s, not %s; only a saga whose compensation failed is resumed",
-			errRepairRefused, sagaID, saga.OrderID, saga.Status, sagaCompensationFailed)
+			errRepairRefused, terminalSafe(sagaID), terminalSafe(saga.OrderID), saga.Status, sagaCompensationFailed)
 		if err := oneRowOr(resumed, refused); err != nil {
 			return err
 		}
@@ -725,7 +725,7 @@ func runRepair(cmd *cobra.Command, dbPath, brokerURL, stream string, repair func
 	out := cmd.OutOrStdout()
 	failed := 0
 	for _, result := range results {
-		fmt.Fprintf(out, "%s: %s\n", result.Target, result.Result)
+		fmt.Fprintf(out, "%s: %s\n", terminalSafe(result.Target), terminalSafe(result.Result))
 		if result.Failed {
 			failed++
 		}
@@ -910,7 +910,8 @@ func newSagaCommand() *cobra.Command {
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "SAGA_ID\tORDER_ID\tSTATUS\tSTEP\tATTEMPTS\tUPDATED_AT\tLAST_ERROR")
 			for _, s := range sagas {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\n", s.SagaID, s.OrderID, s.Status, s.CurrentStep, s.Attempts, s.UpdatedAt, s.LastError)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\n", terminalSafe(s.SagaID), terminalSafe(s.OrderID), s.Status, terminalSafe(s.CurrentStep),
+					s.Attempts, terminalSafe(s.UpdatedAt), terminalSafe(s.LastError))
 			}
 			if err := w.Flush(); err != nil {
 				return err
@@ -969,8 +970,8 @@ func newRefundCommand() *cobra.Command {
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "USER_ID\tIDEMPOTENCY_KEY\tORDER_ID\tRECOVERY_POINT\tAGE\tSTATE")
 			for _, r := range refunds {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", r.UserID, r.IdempotencyKey, r.OrderID, r.RecoveryPoint,
-					time.Duration(r.AgeSeconds)*time.Second, r.State)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", terminalSafe(r.UserID), terminalSafe(r.IdempotencyKey), terminalSafe(r.OrderID), r.RecoveryPoint,
+					time.Duration(r.AgeSeconds)*time.Second, terminalSafe(r.State))
 			}
 			if err := w.Flush(); err != nil {
 				return err

@@ -63,15 +63,30 @@ type orderTrace struct {
 	final, finalAt string
 }
 
-// add appends a row that has a time of its own.
+// add appends a row that has a time of its own; its text is
+// traceText(format, args...).
 func (t *orderTrace) add(at string, phase int, from, to, format string, args ...any) {
-	t.rows = append(t.rows, traceRow{at: at, phase: phase, from: from, to: to, text: fmt.Sprintf(format, args...)})
+	t.rows = append(t.rows, traceRow{at: at, phase: phase, from: from, to: to, text: traceText(format, args...)})
 }
 
 // addUntimed appends a row whose table stores no time for it, at the time
 // given (taken from a row it must follow), saying how it was ordered.
 func (t *orderTrace) addUntimed(at, orderedBy string, phase int, from, to, format string, args ...any) {
-	t.rows = append(t.rows, traceRow{at: at, orderedBy: orderedBy, phase: phase, from: from, to: to, text: fmt.Sprintf(format, args...)})
+	t.rows = append(t.rows, traceRow{at: at, orderedBy: orderedBy, phase: phase, from: from, to: to, text: traceText(format, args...)})
+}
+
+// traceText formats a row's text. Its string args come from the tables
+// (ids, keys, paths, error texts, some from outside): each is shown
+// through terminalSafe, so that none can rewrite the timeline's lines.
+func traceText(format string, args ...any) string {
+	shown := make([]any, len(args))
+	for i, arg := range args {
+		if s, ok := arg.(string); ok {
+			arg = terminalSafe(s)
+		}
+		shown[i] = arg
+	}
+	return fmt.Sprintf(format, shown...)
 }
 
 // errNoSuchOrder is returned by traceOrder for an order id that is not in
@@ -97,7 +112,7 @@ func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, e
 	if err != nil {
 		return nil, fmt.Errorf("read order: %w", err)
 	}
-	t.header = fmt.Sprintf("order %s of %s: %d %s, %s", orderID, userID, amount, currency, paymentMethod)
+	t.header = traceText("order %s of %s: %d %s, %s", orderID, userID, amount, currency, paymentMethod)
 
 	if err := t.addKeys(ctx, db, userID, key); err != nil {
 		return nil, err
@@ -120,18 +135,18 @@ func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, e
 		return nil, err
 	}
 
-	t.final = fmt.Sprintf("order %s", status)
+	t.final = traceText("order %s", status)
 	if cancelReason.Valid {
-		t.final += " (" + cancelReason.String + ")"
+		t.final += traceText(" (%s)", cancelReason.String)
 	}
 	if chargeID.Valid {
-		t.final += ", charged " + chargeID.String
+		t.final += traceText(", charged %s", chargeID.String)
 	}
 	if refunded > 0 {
 		t.final += fmt.Sprintf(", %d refunded", refunded)
 	}
 	if sagaStatus != "" {
-		t.final += ", saga " + sagaStatus
+		t.final += traceText(", saga %s", sagaStatus)
 	}
 	t.finalAt = updatedAt
 
@@ -250,7 +265,7 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 
 // inboxName is the participant for a consumer's inbox.
 func inboxName(consumer string) string {
-	return "Inbox (" + consumer + ")"
+	return "Inbox (" + terminalSafe(consumer) + ")"
 }
 
 // addDeliveries adds each delivery of one message to each consumer, and
@@ -322,7 +337,7 @@ func (t *orderTrace) addDeliveries(ctx context.Context, db *sql.DB, phase int, m
 			case applied && n == in.appliedOn.Int64:
 				outcome := "applied, recorded in the inbox"
 				if in.inboxStatus.String == "poison" {
-					outcome = "poison, set aside: " + in.errText.String
+					outcome = "poison, set aside: " + terminalSafe(in.errText.String)
 				}
 				t.add(in.processedAt.String, phase, traceBroker, to, "delivery %d of %s: %s", n, messageID, outcome)
 			case applied && n > in.appliedOn.Int64:
@@ -410,9 +425,9 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 			t.addUntimed(at, "a failed step: saga_steps stores no time for it, ordered after the row before it",
 				phaseSaga, traceSaga, traceSaga, "step %d %s failed after %d attempt(s): %s", s.index, s.name, s.attempts, s.errText.String)
 		default: // done or compensated: it ran
-			text := fmt.Sprintf("step %d %s done after %d attempt(s)", s.index, s.name, s.attempts)
+			text := traceText("step %d %s done after %d attempt(s)", s.index, s.name, s.attempts)
 			if s.result.Valid && s.result.String != "" {
-				text += ": " + s.result.String
+				text += ": " + terminalSafe(s.result.String)
 			}
 			t.add(s.doneAt.String, phaseSaga, traceSaga, traceSaga, "%s", text)
 		}
@@ -432,7 +447,7 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 func (t *orderTrace) addSagaStart(createdAt, sagaID string) {
 	for i, row := range t.rows {
 		if row.phase == phaseCreate && row.from == traceBroker && strings.Contains(row.text, ": applied") {
-			start := traceRow{at: createdAt, phase: phaseCreate, from: row.to, to: traceSaga, text: "started " + sagaID + ", in the inbox's transaction"}
+			start := traceRow{at: createdAt, phase: phaseCreate, from: row.to, to: traceSaga, text: traceText("started %s, in the inbox's transaction", sagaID)}
 			t.rows = append(t.rows[:i+1], append([]traceRow{start}, t.rows[i+1:]...)...)
 			return
 		}
