@@ -353,9 +353,11 @@ func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 
 // handleConsoleLogout is POST /console/logout: the cookie is deleted from
 // this browser. (A copy of it elsewhere stays valid until it expires; see
-// consoleSessionLifetime.)
+// consoleSessionLifetime.) It takes the session's token like every other
+// form: without it, any page that could make the browser POST here could
+// log the operator out, in the middle of a repair.
 func (s *server) handleConsoleLogout(w http.ResponseWriter, r *http.Request) {
-	if refuseCrossSite(w, r) {
+	if _, ok := s.consoleForm(w, r); !ok {
 		return
 	}
 	setConsoleCookie(w, r, consoleSessionCookie, "", -1)
@@ -373,29 +375,40 @@ type consoleFlash struct {
 // with the operator the session names.
 type consoleRepair func(ctx context.Context, form url.Values, operator string) ([]repairResult, error)
 
-// consoleAction runs repair for a POST of the console's own forms, then
-// redirects back to /console with what it did. A request without a
-// session is sent to the login form, changing nothing; one from another
-// site, or without the session's CSRF token, is refused with 403.
+// consoleForm reads a POST of one of the console's own forms and returns
+// its session. A request without a session is sent to the login form; one
+// from another site, or without the session's CSRF token, is refused with
+// 403; a form that cannot be read, with 400. It returns false when it has
+// answered.
+func (s *server) consoleForm(w http.ResponseWriter, r *http.Request) (consoleSession, bool) {
+	if refuseCrossSite(w, r) {
+		return consoleSession{}, false
+	}
+	session, ok := s.consoleSessionOf(r)
+	if !ok {
+		http.Redirect(w, r, "/console/login", http.StatusSeeOther)
+		return consoleSession{}, false
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, maxBodyBytes)
+	if err := r.ParseForm(); err != nil {
+		writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the form could not be read: " + err.Error()})
+		return consoleSession{}, false
+	}
+	token, err := hex.DecodeString(r.PostForm.Get("csrf"))
+	if err != nil || !hmac.Equal(token, s.consoleMAC("csrf", session.Nonce)) {
+		writeProblem(w, problem{Type: problemForbidden, Title: "Forbidden", Status: http.StatusForbidden,
+			Detail: "the form lacks this session's token; reload /console and press the button there"})
+		return consoleSession{}, false
+	}
+	return session, true
+}
+
+// consoleAction runs repair for a POST of the console's own forms
+// (consoleForm), then redirects back to /console with what it did.
 func (s *server) consoleAction(repair consoleRepair) http.HandlerFunc {
 	return s.consoleEnabled(func(w http.ResponseWriter, r *http.Request) {
-		if refuseCrossSite(w, r) {
-			return
-		}
-		session, ok := s.consoleSessionOf(r)
+		session, ok := s.consoleForm(w, r)
 		if !ok {
-			http.Redirect(w, r, "/console/login", http.StatusSeeOther)
-			return
-		}
-		r.Body = http.MaxBytesReader(w, r.Body, maxBodyBytes)
-		if err := r.ParseForm(); err != nil {
-			writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the form could not be read: " + err.Error()})
-			return
-		}
-		token, err := hex.DecodeString(r.PostForm.Get("csrf"))
-		if err != nil || !hmac.Equal(token, s.consoleMAC("csrf", session.Nonce)) {
-			writeProblem(w, problem{Type: problemForbidden, Title: "Forbidden", Status: http.StatusForbidden,
-				Detail: "the form lacks this session's token; reload /console and press the button there"})
 			return
 		}
 		results, err := repair(r.Context(), r.PostForm, operatorOf(session))

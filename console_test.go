@@ -482,8 +482,43 @@ func TestConsole(t *testing.T) {
 			t.Fatalf("Content-Security-Policy: %q", csp)
 		}
 
-		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{}, nil), "/console/login")
+		token := csrfTokenOn(t, r.Body)
+		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{"csrf": {token}}, nil), "/console/login")
 		mustRedirect(t, "console after logout", c.do(t, "GET", "/console", nil, nil), "/console/login")
+	})
+
+	// Ensure log out takes the session's token like every other form: a
+	// POST without it, with another session's, or sent by another site's
+	// page is refused with 403 and the session stays; with it, the
+	// session ends.
+	t.Run("LogoutNeedsTheSessionsToken", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newAdminTestServer(t, env, testAdminKey)
+		c := newConsoleClient(ts)
+		c.login(t, testAdminKey, "")
+		token := csrfTokenOn(t, c.page(t, "/console", http.StatusOK))
+		other := newConsoleClient(ts)
+		other.login(t, testAdminKey, "")
+		otherToken := csrfTokenOn(t, other.page(t, "/console", http.StatusOK))
+		for what, tc := range map[string]struct {
+			form   url.Values
+			header map[string]string
+		}{
+			"no token":                   {url.Values{}, nil},
+			"another session's token":    {url.Values{"csrf": {otherToken}}, nil},
+			"Sec-Fetch-Site: cross-site": {url.Values{"csrf": {token}}, map[string]string{"Sec-Fetch-Site": "cross-site"}},
+			"another Origin":             {url.Values{"csrf": {token}}, map[string]string{"Origin": "http://evil.example"}},
+		} {
+			r := c.do(t, "POST", "/console/logout", tc.form, tc.header)
+			mustProblem(t, "logout with "+what, r, http.StatusForbidden, problemForbidden)
+			if len(r.Header["Set-Cookie"]) != 0 {
+				t.Fatalf("logout with %s set %v", what, r.Header["Set-Cookie"])
+			}
+			c.page(t, "/console", http.StatusOK)
+		}
+		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{"csrf": {token}}, nil), "/console/login")
+		mustRedirect(t, "console after logout", c.do(t, "GET", "/console", nil, nil), "/console/login")
+		other.page(t, "/console", http.StatusOK)
 	})
 
 	// Ensure a session cookie that was altered, signed under another admin
