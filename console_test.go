@@ -531,7 +531,7 @@ func TestConsole(t *testing.T) {
 		good := *c.cookies[consoleSessionCookie]
 
 		payload, sig, _ := strings.Cut(good.Value, ".")
-		other := &server{adminKey: "another_key"}
+		other := &server{adminKey: "another_admin_key_0b8e2f6d41c97a35e1"}
 		forged := map[string]string{
 			"altered payload":   payload + "x." + sig,
 			"no signature":      payload,

@@ -30,6 +30,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -984,14 +985,24 @@ func newRefundCommand() *cobra.Command {
 	return cmd
 }
 
+// minAdminKeyLength is the shortest RETRYSAFE_ADMIN_KEY serve accepts. The
+// key opens every repair and the console, and whoever can reach serve can
+// guess at it, from as many addresses as they have. 32 random characters
+// are beyond any number of guesses; `openssl rand -hex 32` makes 64.
+const minAdminKeyLength = 32
+
 // adminKeyConfig reads RETRYSAFE_ADMIN_KEY for serve. Unset, the admin
-// endpoints are off. Returns an error if the admin key is also a
+// endpoints are off. Returns an error, saying how to make a good key, if
+// the key is shorter than minAdminKeyLength; or if it is also a
 // customer's API key: a customer's key must never open /admin.
 func adminKeyConfig(say func(message string), apiKeys map[string]string) (string, error) {
 	adminKey := os.Getenv("RETRYSAFE_ADMIN_KEY")
 	if adminKey == "" {
 		say("RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
 		return "", nil
+	}
+	if n := utf8.RuneCountInString(adminKey); n < minAdminKeyLength {
+		return "", fmt.Errorf("RETRYSAFE_ADMIN_KEY is %d characters, too short to keep guessers out: use at least %d random ones, made with `openssl rand -hex 32`", n, minAdminKeyLength)
 	}
 	if user, ok := apiKeys[adminKey]; ok {
 		return "", fmt.Errorf("RETRYSAFE_ADMIN_KEY is also the API key of %s; choose an admin key no customer has", user)

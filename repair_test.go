@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -12,6 +13,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -683,8 +685,9 @@ func TestRefundFinish(t *testing.T) {
 	})
 }
 
-// testAdminKey is the admin key of the admin API tests.
-const testAdminKey = "admin_test_key"
+// testAdminKey is the admin key of the admin API tests: as long as serve
+// requires (minAdminKeyLength).
+const testAdminKey = "admin_test_key_6f0c9a41d2e87b35c4a1"
 
 // newAdminTestServer serves env's API, with adminKey as the admin key, on
 // a loopback port until the test ends.
@@ -794,14 +797,42 @@ func TestAdminAPI(t *testing.T) {
 	// Ensure serve will not start with an admin key that is also a
 	// customer's API key.
 	t.Run("AdminKeyMustNotBeACustomerKey", func(t *testing.T) {
-		t.Setenv("RETRYSAFE_ADMIN_KEY", keyUser42)
-		_, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"})
+		customerKey := "sk_live_" + strings.Repeat("c", minAdminKeyLength)
+		t.Setenv("RETRYSAFE_ADMIN_KEY", customerKey)
+		_, err := adminKeyConfig(func(string) {}, map[string]string{customerKey: "user-42"})
 		if err == nil || !strings.Contains(err.Error(), "also the API key of user-42") {
 			t.Fatalf("got %v", err)
 		}
 		t.Setenv("RETRYSAFE_ADMIN_KEY", testAdminKey)
 		if key, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
 			t.Fatalf("got %q, %v", key, err)
+		}
+	})
+
+	// Ensure serve refuses an admin key shorter than 32 characters, saying
+	// how to make one, and exits before it creates the database; 32
+	// characters are enough. (serve runs with its context already done:
+	// one that accepted the key would open the database and stop at
+	// once, not serve for ever.)
+	t.Run("ServeRefusesAShortAdminKey", func(t *testing.T) {
+		stopped, stop := context.WithCancel(context.Background())
+		stop()
+		for _, key := range []string{"a", "choose-a-long-random-secret", strings.Repeat("k", minAdminKeyLength-1), "ключ-" + strings.Repeat("к", 26)} {
+			t.Setenv("RETRYSAFE_ADMIN_KEY", key)
+			path := filepath.Join(t.TempDir(), "x.db")
+			var output bytes.Buffer
+			err := run(stopped, []string{"serve", "--db", path, "--addr", "127.0.0.1:0"}, strings.NewReader(""), &output, &output)
+			out := output.String()
+			if err == nil || !strings.Contains(out, "RETRYSAFE_ADMIN_KEY is") || !strings.Contains(out, "at least 32") || !strings.Contains(out, "openssl rand -hex 32") {
+				t.Fatalf("key %q: got %v\n%s", key, err, out)
+			}
+			if _, err := os.Stat(path); !os.IsNotExist(err) {
+				t.Fatalf("key %q: serve created %s before refusing the key (%v)", key, path, err)
+			}
+		}
+		t.Setenv("RETRYSAFE_ADMIN_KEY", strings.Repeat("k", minAdminKeyLength))
+		if key, err := adminKeyConfig(func(string) {}, nil); err != nil || len(key) != minAdminKeyLength {
+			t.Fatalf("a key of %d characters: got %q, %v", minAdminKeyLength, key, err)
 		}
 	})
 
