@@ -52,6 +52,7 @@ import (
 	"html/template"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -323,7 +324,8 @@ func (s *server) handleConsoleLoginForm(w http.ResponseWriter, r *http.Request) 
 
 // handleConsoleLogin is POST /console/login: with the admin key, a new
 // session and a redirect to the console; with anything else, 403 and the
-// form again, saying so.
+// form again, saying so; from an address that sent too many wrong keys,
+// 429 with Retry-After and the form, whatever the key (throttle.go).
 func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 	if refuseCrossSite(w, r) {
 		return
@@ -333,7 +335,18 @@ func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the login form could not be read: " + err.Error()})
 		return
 	}
-	if !sameSecret(r.PostForm.Get("key"), s.adminKey) {
+	right, retryAfter := false, 0
+	if key := r.PostForm.Get("key"); key != "" {
+		right, retryAfter = s.checkAdminKey(r, key)
+	}
+	if retryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(retryAfter))
+		s.renderConsole(w, r, http.StatusTooManyRequests, loginPage{Login: true, Message: fmt.Sprintf(
+			"Too many wrong keys came from your address (%s): no key from it is checked for %d seconds, the right one neither. Wait, or log in from another address.",
+			guessAddress(r), retryAfter)})
+		return
+	}
+	if !right {
 		s.renderConsole(w, r, http.StatusForbidden, loginPage{Login: true, Message: "That is not the admin key (RETRYSAFE_ADMIN_KEY). Customers' API keys do not open the console."})
 		return
 	}
