@@ -15,7 +15,7 @@
 //     RETRYSAFE_ADMIN_KEY. Nothing is stored on the server: a session ends
 //     after consoleSessionLifetime by the App's clock, or for every browser
 //     at once when the admin key changes. The key itself never leaves the
-//     login request.
+//     login request. Wrong keys slow their address down (throttle.go).
 //   - Every button is a POST form carrying a token derived from the
 //     session's nonce with the same HMAC: a request without the session's
 //     token is refused, whoever made the browser send it. SameSite=Strict
