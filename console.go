@@ -15,7 +15,7 @@
 //     RETRYSAFE_ADMIN_KEY. Nothing is stored on the server: a session ends
 //     after consoleSessionLifetime by the App's clock, or for every browser
 //     at once when the admin key changes. The key itself never leaves the
-//     login request.
+//     login request. Wrong keys slow their address down (throttle.go).
 //   - Every button is a POST form carrying a token derived from the
 //     session's nonce with the same HMAC: a request without the session's
 //     token is refused, whoever made the browser send it. SameSite=Strict
@@ -51,6 +51,8 @@ import (
 	"fmt"
 	"html/template"
 	"net/http"
+	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -60,8 +62,31 @@ var consoleHTML string
 
 // consoleTemplate renders the console and its login form. html/template
 // escapes every value, so an error text or a message id from the database
-// cannot become markup.
-var consoleTemplate = template.Must(template.New("console").Parse(consoleHTML))
+// cannot become markup. consoleIDField is the value of a button's hidden
+// id field (see consoleRoutes).
+var consoleTemplate = template.Must(template.New("console").Funcs(template.FuncMap{
+	"consoleIDField": url.PathEscape,
+}).Parse(consoleHTML))
+
+// errConsoleForm: a console POST lacks an id field of its button, or has
+// one twice, or one its button did not escape. It did not come from the
+// page; the answer is 400 and nothing is changed.
+var errConsoleForm = errors.New("not a form of the console's buttons")
+
+// consoleFormID returns the id that the form's field name carries,
+// path-escaped by the page (consoleIDField). Returns errConsoleForm if the
+// field is missing, repeated, empty or not path-escaped.
+func consoleFormID(form url.Values, name string) (string, error) {
+	values := form[name]
+	if len(values) != 1 {
+		return "", fmt.Errorf("%w: want one field %s, got %d", errConsoleForm, name, len(values))
+	}
+	id, err := url.PathUnescape(values[0])
+	if err != nil || id == "" {
+		return "", fmt.Errorf("%w: field %s is not a path-escaped id", errConsoleForm, name)
+	}
+	return id, nil
+}
 
 // Cookies of the console. Both are scoped to /console: the API never sees
 // them.
@@ -86,36 +111,63 @@ const consoleOperatorPrefix = "console"
 
 // consoleRoutes adds /console to mux (see the file comment for the log in
 // and CSRF protection).
+//
+// A button's form posts to a fixed path per kind of repair, and carries
+// the row's ids in hidden fields, path-escaped (consoleIDField): ids come
+// from outside (a webhook's event id, a NATS Nats-Msg-Id), and an id in
+// the form's action could change where the form posts. A browser resolves
+// an action before sending it: "../../sagas/S/resume?" under
+// /console/inbox/C/ is /console/sagas/S/resume, with this session's CSRF
+// token; an id with "/", "?" or "#" names no route. Escaping the id in the
+// action is not enough: url.PathEscape keeps "." and "..", and browsers
+// resolve "%2e%2e" as ".." too (WHATWG URL). In a field, no id can touch
+// the path, and escaped, every id comes back byte for byte (the HTML
+// parser and form encoding would otherwise turn a line break into CR LF).
 func (s *server) consoleRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /console", s.consoleEnabled(s.handleConsole))
 	mux.HandleFunc("GET /console/login", s.consoleEnabled(s.handleConsoleLoginForm))
 	mux.HandleFunc("POST /console/login", s.consoleEnabled(s.handleConsoleLogin))
 	mux.HandleFunc("POST /console/logout", s.consoleEnabled(s.handleConsoleLogout))
-	mux.HandleFunc("POST /console/outbox/{event_id}/retry", s.consoleAction(func(ctx context.Context, r *http.Request, operator string) ([]repairResult, error) {
-		return s.app.retryOutboxEvents(ctx, operator, outboxRetryTarget{EventID: r.PathValue("event_id")})
+	mux.HandleFunc("POST /console/outbox/retry", s.consoleAction(func(ctx context.Context, form url.Values, operator string) ([]repairResult, error) {
+		eventID, err := consoleFormID(form, "event_id")
+		if err != nil {
+			return nil, err
+		}
+		return s.app.retryOutboxEvents(ctx, operator, outboxRetryTarget{EventID: eventID})
 	}))
-	mux.HandleFunc("POST /console/inbox/{consumer}/{message_id}/replay", s.consoleAction(func(ctx context.Context, r *http.Request, operator string) ([]repairResult, error) {
-		target := inboxReplayTarget{Consumer: r.PathValue("consumer"), MessageID: r.PathValue("message_id")}
-		return s.app.replayInboxMessages(ctx, operator, target)
+	mux.HandleFunc("POST /console/inbox/replay", s.consoleAction(func(ctx context.Context, form url.Values, operator string) ([]repairResult, error) {
+		consumer, err := consoleFormID(form, "consumer")
+		if err != nil {
+			return nil, err
+		}
+		messageID, err := consoleFormID(form, "message_id")
+		if err != nil {
+			return nil, err
+		}
+		return s.app.replayInboxMessages(ctx, operator, inboxReplayTarget{Consumer: consumer, MessageID: messageID})
 	}))
-	mux.HandleFunc("POST /console/sagas/{saga_id}/resume", s.consoleAction(func(ctx context.Context, r *http.Request, operator string) ([]repairResult, error) {
-		result, err := s.app.resumeSaga(ctx, operator, r.PathValue("saga_id"))
+	mux.HandleFunc("POST /console/sagas/resume", s.consoleAction(func(ctx context.Context, form url.Values, operator string) ([]repairResult, error) {
+		sagaID, err := consoleFormID(form, "saga_id")
+		if err != nil {
+			return nil, err
+		}
+		result, err := s.app.resumeSaga(ctx, operator, sagaID)
 		if err != nil {
 			return nil, err
 		}
 		return []repairResult{result}, nil
 	}))
-	mux.HandleFunc("POST /console/refunds/finish", s.consoleAction(func(ctx context.Context, r *http.Request, operator string) ([]repairResult, error) {
+	mux.HandleFunc("POST /console/refunds/finish", s.consoleAction(func(ctx context.Context, form url.Values, operator string) ([]repairResult, error) {
 		return s.app.finishRefunds(ctx, operator)
 	}))
 	allowed := map[string]string{
-		"/console":                         "GET",
-		"/console/login":                   "GET, POST",
-		"/console/logout":                  "POST",
-		"/console/outbox/{event_id}/retry": "POST",
-		"/console/inbox/{consumer}/{message_id}/replay": "POST",
-		"/console/sagas/{saga_id}/resume":               "POST",
-		"/console/refunds/finish":                       "POST",
+		"/console":                "GET",
+		"/console/login":          "GET, POST",
+		"/console/logout":         "POST",
+		"/console/outbox/retry":   "POST",
+		"/console/inbox/replay":   "POST",
+		"/console/sagas/resume":   "POST",
+		"/console/refunds/finish": "POST",
 	}
 	for path, methods := range allowed {
 		mux.HandleFunc(path, s.consoleEnabled(func(w http.ResponseWriter, r *http.Request) {
@@ -272,7 +324,8 @@ func (s *server) handleConsoleLoginForm(w http.ResponseWriter, r *http.Request) 
 
 // handleConsoleLogin is POST /console/login: with the admin key, a new
 // session and a redirect to the console; with anything else, 403 and the
-// form again, saying so.
+// form again, saying so; from an address that sent too many wrong keys,
+// 429 with Retry-After and the form, whatever the key (throttle.go).
 func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 	if refuseCrossSite(w, r) {
 		return
@@ -282,7 +335,18 @@ func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the login form could not be read: " + err.Error()})
 		return
 	}
-	if !sameSecret(r.PostForm.Get("key"), s.adminKey) {
+	right, retryAfter := false, 0
+	if key := r.PostForm.Get("key"); key != "" {
+		right, retryAfter = s.checkAdminKey(r, key)
+	}
+	if retryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(retryAfter))
+		s.renderConsole(w, r, http.StatusTooManyRequests, loginPage{Login: true, Message: fmt.Sprintf(
+			"Too many wrong keys came from your address (%s): no key from it is checked for %d seconds, the right one neither. Wait, or log in from another address.",
+			guessAddress(r), retryAfter)})
+		return
+	}
+	if !right {
 		s.renderConsole(w, r, http.StatusForbidden, loginPage{Login: true, Message: "That is not the admin key (RETRYSAFE_ADMIN_KEY). Customers' API keys do not open the console."})
 		return
 	}
@@ -302,9 +366,11 @@ func (s *server) handleConsoleLogin(w http.ResponseWriter, r *http.Request) {
 
 // handleConsoleLogout is POST /console/logout: the cookie is deleted from
 // this browser. (A copy of it elsewhere stays valid until it expires; see
-// consoleSessionLifetime.)
+// consoleSessionLifetime.) It takes the session's token like every other
+// form: without it, any page that could make the browser POST here could
+// log the operator out, in the middle of a repair.
 func (s *server) handleConsoleLogout(w http.ResponseWriter, r *http.Request) {
-	if refuseCrossSite(w, r) {
+	if _, ok := s.consoleForm(w, r); !ok {
 		return
 	}
 	setConsoleCookie(w, r, consoleSessionCookie, "", -1)
@@ -318,36 +384,52 @@ type consoleFlash struct {
 	Lines []string `json:"lines"`
 }
 
-// consoleRepair is a repair as a button runs it, with the operator the
-// session names.
-type consoleRepair func(ctx context.Context, r *http.Request, operator string) ([]repairResult, error)
+// consoleRepair is a repair as a button runs it, on the button's form,
+// with the operator the session names.
+type consoleRepair func(ctx context.Context, form url.Values, operator string) ([]repairResult, error)
 
-// consoleAction runs repair for a POST of the console's own forms, then
-// redirects back to /console with what it did. A request without a
-// session is sent to the login form, changing nothing; one from another
-// site, or without the session's CSRF token, is refused with 403.
+// consoleForm reads a POST of one of the console's own forms and returns
+// its session. A request without a session is sent to the login form; one
+// from another site, or without the session's CSRF token, is refused with
+// 403; a form that cannot be read, with 400. It returns false when it has
+// answered.
+func (s *server) consoleForm(w http.ResponseWriter, r *http.Request) (consoleSession, bool) {
+	if refuseCrossSite(w, r) {
+		return consoleSession{}, false
+	}
+	session, ok := s.consoleSessionOf(r)
+	if !ok {
+		http.Redirect(w, r, "/console/login", http.StatusSeeOther)
+		return consoleSession{}, false
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, maxBodyBytes)
+	if err := r.ParseForm(); err != nil {
+		writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the form could not be read: " + err.Error()})
+		return consoleSession{}, false
+	}
+	token, err := hex.DecodeString(r.PostForm.Get("csrf"))
+	if err != nil || !hmac.Equal(token, s.consoleMAC("csrf", session.Nonce)) {
+		writeProblem(w, problem{Type: problemForbidden, Title: "Forbidden", Status: http.StatusForbidden,
+			Detail: "the form lacks this session's token; reload /console and press the button there"})
+		return consoleSession{}, false
+	}
+	return session, true
+}
+
+// consoleAction runs repair for a POST of the console's own forms
+// (consoleForm), then redirects back to /console with what it did.
 func (s *server) consoleAction(repair consoleRepair) http.HandlerFunc {
 	return s.consoleEnabled(func(w http.ResponseWriter, r *http.Request) {
-		if refuseCrossSite(w, r) {
-			return
-		}
-		session, ok := s.consoleSessionOf(r)
+		session, ok := s.consoleForm(w, r)
 		if !ok {
-			http.Redirect(w, r, "/console/login", http.StatusSeeOther)
 			return
 		}
-		r.Body = http.MaxBytesReader(w, r.Body, maxBodyBytes)
-		if err := r.ParseForm(); err != nil {
-			writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest, Detail: "the form could not be read: " + err.Error()})
+		results, err := repair(r.Context(), r.PostForm, operatorOf(session))
+		if errors.Is(err, errConsoleForm) {
+			writeProblem(w, problem{Type: problemValidation, Title: "Invalid form", Status: http.StatusBadRequest,
+				Detail: err.Error() + "; reload /console and press the button there"})
 			return
 		}
-		token, err := hex.DecodeString(r.PostForm.Get("csrf"))
-		if err != nil || !hmac.Equal(token, s.consoleMAC("csrf", session.Nonce)) {
-			writeProblem(w, problem{Type: problemForbidden, Title: "Forbidden", Status: http.StatusForbidden,
-				Detail: "the form lacks this session's token; reload /console and press the button there"})
-			return
-		}
-		results, err := repair(r.Context(), r, operatorOf(session))
 		flash := s.consoleOutcome(r.Context(), results, err)
 		setConsoleCookie(w, r, consoleFlashCookie, s.signedValue("flash", flash), 60)
 		http.Redirect(w, r, "/console", http.StatusSeeOther)
@@ -419,7 +501,7 @@ type consolePage struct {
 	Backlog int
 	Lag     string
 	Failed  []outboxListing
-	Poison  []inboxListing
+	Poison  []consolePoison
 	Sagas   []sagaListing
 	Refunds []unfinishedRefund
 	Repairs []repairLogRow
@@ -429,6 +511,36 @@ type consolePage struct {
 	OrderError string
 	Timeline   string
 	Mermaid    string
+}
+
+// consolePoison is a poison message as the console lists it: with a
+// replay button, or with why no replay can work.
+type consolePoison struct {
+	inboxListing
+	// NoReplay, if set, says why replayInboxMessages refuses this message
+	// whatever the operator does, and what to do instead. The row has no
+	// button then: a button that is always refused only teaches operators
+	// to ignore refusals.
+	NoReplay string
+}
+
+// noReplayReason returns why no replay can deliver a poison message of
+// consumer again, or "" if one can. byBroker says whether consumer reads
+// from the broker; stored, whether the outbox or the embedded broker
+// still holds the message (replaySource). These are the refusals of
+// replayInboxMessages that no later state of the row can lift.
+func noReplayReason(consumer string, byBroker, stored bool) string {
+	switch {
+	case consumer == webhookConsumer:
+		return "No replay can deliver it: the card processor sent this webhook, got 200, and sends an event again only after an error. " +
+			"Check it against the processor's own record of the charge and refund; the error says what did not match."
+	case !byBroker:
+		return "No replay can deliver it: " + consumer + " does not read from the broker."
+	case !stored:
+		return "No replay can deliver it: neither the outbox nor the broker holds the message any more " +
+			"(cleanup deletes delivered messages after a week; a message our relay did not publish was never there)."
+	}
+	return ""
 }
 
 // repairLogRow is one repair_log row, as the console lists the latest.
@@ -540,19 +652,29 @@ func (s *server) readConsole(ctx context.Context, now time.Time, page *consolePa
 	}
 	rows.Close()
 
+	brokerConsumers := map[string]bool{}
+	for _, c := range s.app.consumers() {
+		brokerConsumers[c.name] = true
+	}
+	// stored: whether the outbox or the embedded broker still holds the
+	// message's payload, which a replay delivers again (replaySource).
 	rows, err = db.QueryContext(ctx, `
-		SELECT consumer, message_id, status, COALESCE(error, ''), delivery_count, processed_at
-		FROM inbox_messages WHERE status = 'poison' ORDER BY processed_at, consumer LIMIT ?`, listLimit)
+		SELECT m.consumer, m.message_id, m.status, COALESCE(m.error, ''), m.delivery_count, m.processed_at,
+		       CASE WHEN EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = m.message_id)
+		              OR EXISTS (SELECT 1 FROM broker_messages b WHERE b.message_id = m.message_id)
+		            THEN 1 ELSE 0 END
+		FROM inbox_messages m WHERE m.status = 'poison' ORDER BY m.processed_at, m.consumer LIMIT ?`, listLimit)
 	if err != nil {
 		return fmt.Errorf("read poison messages: %w", err)
 	}
 	defer rows.Close()
 	for rows.Next() {
 		var m inboxListing
-		if err := rows.Scan(&m.Consumer, &m.MessageID, &m.Status, &m.Error, &m.DeliveryCount, &m.ProcessedAt); err != nil {
+		var stored int
+		if err := rows.Scan(&m.Consumer, &m.MessageID, &m.Status, &m.Error, &m.DeliveryCount, &m.ProcessedAt, &stored); err != nil {
 			return fmt.Errorf("scan poison message: %w", err)
 		}
-		page.Poison = append(page.Poison, m)
+		page.Poison = append(page.Poison, consolePoison{inboxListing: m, NoReplay: noReplayReason(m.Consumer, brokerConsumers[m.Consumer], stored == 1)})
 	}
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("read poison messages: %w", err)

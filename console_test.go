@@ -5,18 +5,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"html"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"os"
-	"os/exec"
 	"regexp"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
-
-	"github.com/chromedp/chromedp"
 )
 
 // consoleClient is a browser as the console tests play it: it keeps the
@@ -94,13 +94,50 @@ func (c *consoleClient) page(tb testing.TB, path string, status int) string {
 	return r.Body
 }
 
-// press POSTs a console form at path with the page's CSRF token, and
+// consoleButton is the form of a console button: where it posts, and its
+// hidden fields but the CSRF token.
+type consoleButton struct {
+	action string
+	fields url.Values
+}
+
+// retryButton is the form of the retry button of eventID's row.
+func retryButton(eventID string) consoleButton {
+	return consoleButton{"/console/outbox/retry", url.Values{"event_id": {url.PathEscape(eventID)}}}
+}
+
+// replayButton is the form of the replay button of consumer's poison
+// message messageID.
+func replayButton(consumer, messageID string) consoleButton {
+	return consoleButton{"/console/inbox/replay", url.Values{"consumer": {url.PathEscape(consumer)}, "message_id": {url.PathEscape(messageID)}}}
+}
+
+// resumeButton is the form of the resume button of sagaID's row.
+func resumeButton(sagaID string) consoleButton {
+	return consoleButton{"/console/sagas/resume", url.Values{"saga_id": {url.PathEscape(sagaID)}}}
+}
+
+// finishButton is the form of the finish refunds button.
+func finishButton() consoleButton {
+	return consoleButton{"/console/refunds/finish", url.Values{}}
+}
+
+// form returns b's fields with csrf as its token.
+func (b consoleButton) form(csrf string) url.Values {
+	form := url.Values{"csrf": {csrf}}
+	for name, values := range b.fields {
+		form[name] = values
+	}
+	return form
+}
+
+// press POSTs the form of button b with the page's CSRF token, and
 // returns the console it redirects to.
-func (c *consoleClient) press(tb testing.TB, path string) string {
+func (c *consoleClient) press(tb testing.TB, b consoleButton) string {
 	tb.Helper()
 	token := csrfTokenOn(tb, c.page(tb, "/console", http.StatusOK))
-	r := c.do(tb, "POST", path, url.Values{"csrf": {token}}, nil)
-	mustRedirect(tb, "POST "+path, r, "/console")
+	r := c.do(tb, "POST", b.action, b.form(token), nil)
+	mustRedirect(tb, "POST "+b.action+" "+b.fields.Encode(), r, "/console")
 	return c.page(tb, "/console", http.StatusOK)
 }
 
@@ -120,6 +157,23 @@ func csrfTokenOn(tb testing.TB, page string) string {
 		tb.Fatalf("no CSRF token on the page:\n%s", page)
 	}
 	return m[1]
+}
+
+// formsOn counts the forms on page by where they post and what their
+// hidden fields but the CSRF token hold ("ACTION FIELDS", the fields
+// query-encoded, as consoleButton's are).
+func formsOn(page string) map[string]int {
+	forms := map[string]int{}
+	for _, form := range regexp.MustCompile(`(?s)<form [^>]*action="([^"]*)"[^>]*>(.*?)</form>`).FindAllStringSubmatch(page, -1) {
+		fields := url.Values{}
+		for _, input := range regexp.MustCompile(`<input type="hidden" name="([^"]*)" value="([^"]*)">`).FindAllStringSubmatch(form[2], -1) {
+			if input[1] != "csrf" {
+				fields.Add(html.UnescapeString(input[1]), html.UnescapeString(input[2]))
+			}
+		}
+		forms[html.UnescapeString(form[1])+" "+fields.Encode()]++
+	}
+	return forms
 }
 
 // attrsOn returns the values of the data attribute name on page, in order.
@@ -177,6 +231,187 @@ func setAsideOneOfEach(tb testing.TB, env *testEnv) setAside {
 	return s
 }
 
+// repairableRows returns every row a console button can change, keyed by
+// what it is ("outbox EVENT_ID", "inbox CONSUMER/MESSAGE_ID", "saga
+// SAGA_ID"), with its state. A message's delivery is part of its inbox
+// row: a replay changes both.
+func repairableRows(tb testing.TB, env *testEnv) map[string]string {
+	tb.Helper()
+	rows, err := env.app.db.Query(`
+		SELECT 'outbox ' || event_id, status || ':' || attempts || ':' || lease_token FROM outbox_events
+		UNION ALL
+		SELECT 'inbox ' || consumer || '/' || message_id, 'inbox ' || status FROM inbox_messages
+		UNION ALL
+		SELECT 'inbox ' || d.subscriber || '/' || m.message_id, 'delivery ' || d.status
+		FROM broker_deliveries d JOIN broker_messages m ON m.seq = d.message_seq
+		UNION ALL
+		SELECT 'saga ' || saga_id, status || ':' || attempts || ':' || lease_token FROM saga_instances
+		ORDER BY 1, 2`)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer rows.Close()
+	state := map[string]string{}
+	for rows.Next() {
+		var row, value string
+		if err := rows.Scan(&row, &value); err != nil {
+			tb.Fatal(err)
+		}
+		state[row] += value + ";"
+	}
+	if err := rows.Err(); err != nil {
+		tb.Fatal(err)
+	}
+	return state
+}
+
+// changedRows returns the rows of repairableRows that differ between
+// before and after, as "ROW: BEFORE -> AFTER" lines, sorted.
+func changedRows(before, after map[string]string) []string {
+	var changed []string
+	for row, state := range before {
+		if after[row] != state {
+			changed = append(changed, fmt.Sprintf("%q: %s -> %s", row, state, after[row]))
+		}
+	}
+	for row, state := range after {
+		if _, ok := before[row]; !ok {
+			changed = append(changed, fmt.Sprintf("%q: none -> %s", row, state))
+		}
+	}
+	slices.Sort(changed)
+	return changed
+}
+
+// hostileRows are rows set aside with ids an outsider could choose, and
+// the two rows the hostile ones point at.
+type hostileRows struct {
+	// sagaID is a compensation_failed saga, eventID a failed event, both
+	// with ordinary ids.
+	sagaID, eventID string
+	failedEvents    []string
+	poisonMessages  []string
+	sagas           []string
+	// webhookID is a poison webhook's event id.
+	webhookID string
+}
+
+// setAsideHostileIDs sets aside, through the code that does so in
+// production, rows whose ids need escaping in a URL: compensation_failed
+// sagas, poison messages of the payment service, failed outbox events
+// (each of an order with the same id), and a poison webhook. The ids are
+// given through the App's id seam (a webhook's through its body): on NATS
+// a message id is whatever the publisher's Nats-Msg-Id says. Among them
+// are relative paths to the repair of sagaID and eventID, which are set
+// aside with ordinary ids.
+func setAsideHostileIDs(tb testing.TB, env *testEnv, ts *httptest.Server) hostileRows {
+	tb.Helper()
+	ctx := context.Background()
+	ids := newIDQueue(env)
+	var h hostileRows
+	_, h.sagaID = compensationFailedSaga(tb, env)
+	h.eventID = "evt_victim"
+
+	h.sagas = []string{"s/1", "s?2#3", "..", "%25", "日本/語 ✓", "../outbox/" + h.eventID + "/retry?"}
+	for i, sagaID := range h.sagas {
+		ids.add("saga", sagaID)
+		orderID := compensationFailedSagaOf(tb, env, fmt.Sprintf("saga-%d", i))
+		if got := env.str(tb, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID); got != sagaID {
+			tb.Fatalf("saga %q, want %q", got, sagaID)
+		}
+	}
+
+	h.poisonMessages = []string{"c/d", "?", "#", ".", "../x", "100%", "%2e%2e", "naïve ✓/☃", "../../sagas/" + h.sagaID + "/resume?"}
+	for i, eventID := range h.poisonMessages {
+		ids.add("evt", eventID)
+		mustCreateOrder(tb, env, "user-42", fmt.Sprintf("poison-%d", i), orderBody(5000, "sku-1", 1, pmCardVisa))
+	}
+	if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+		tb.Fatal(err)
+	}
+	poisonFor(tb, env, consumerNamed(tb, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
+	if got := env.count(tb, `SELECT COUNT(*) FROM inbox_messages WHERE status = 'poison'`); got != len(h.poisonMessages) {
+		tb.Fatalf("%d poison messages, want %d", got, len(h.poisonMessages))
+	}
+
+	h.failedEvents = []string{h.eventID, "a/b", "q?x=1&y=2", "h#frag", "..", "%2F", "%%", "ünï/cødé ✓", "two\nlines", "../sagas/" + h.sagaID + "/resume?"}
+	for i, eventID := range h.failedEvents {
+		if eventID != h.eventID {
+			ids.add("ord", eventID)
+		}
+		ids.add("evt", eventID)
+		mustCreateOrder(tb, env, "user-42", fmt.Sprintf("failed-%d", i), orderBody(5000, "sku-1", 1, pmCardVisa))
+	}
+	failPublishing(tb, env)
+	if got := env.count(tb, `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`); got != len(h.failedEvents) {
+		tb.Fatalf("%d failed events, want %d", got, len(h.failedEvents))
+	}
+
+	h.webhookID = "../../sagas/" + h.sagaID + "/resume?"
+	if got, reply := postSigned(tb, env, ts, refundedEvent(h.webhookID, "ch_unknown", "re_1", "100")); reply.Outcome != inboxPoison {
+		tb.Fatalf("webhook: got %d %s, want it poison", got.Status, got.Body)
+	}
+	return h
+}
+
+// compensationFailedSagaOf does what compensationFailedSaga does, under
+// another key, on an App that has run sagas before: the faults count the
+// passes of their points from now. It returns the order's id.
+func compensationFailedSagaOf(tb testing.TB, env *testEnv, key string) string {
+	tb.Helper()
+	steps := env.fault.hitCount(faultAfterStepEffect)
+	responses := env.fault.hitCount(faultProcessorLoseResponse)
+	env.fault.set(func(point faultPoint, pass int) error {
+		switch {
+		case point == faultAfterStepEffect && pass-steps == 2:
+			return permanent(errors.New("warehouse rejected the shipment"))
+		case point == faultProcessorLoseResponse && pass-responses >= 2:
+			// The charge's response arrives; every refund's is lost.
+			return errors.New("connection reset")
+		}
+		return nil
+	})
+	orderID := createAndDrain(tb, env, key, orderBody(5000, "sku-1", 2, pmCardVisa))
+	env.fault.failAt("", nil, 0)
+	if got := sagaSteps(tb, env, orderID); got != "compensation_failed: reserve_stock=done charge_card=done confirm=failed" {
+		tb.Fatalf("saga: %s", got)
+	}
+	return orderID
+}
+
+// idQueue gives the ids a test chose, then the App's own: the seam through
+// which a test gives rows the ids an outsider could.
+type idQueue struct {
+	mu     sync.Mutex
+	next   func(prefix string) string
+	queued map[string][]string
+}
+
+// newIDQueue puts an idQueue in front of env's ids.
+func newIDQueue(env *testEnv) *idQueue {
+	q := &idQueue{next: env.app.newID, queued: map[string][]string{}}
+	env.app.newID = q.newID
+	return q
+}
+
+// add makes the next ids of prefix ids, in order.
+func (q *idQueue) add(prefix string, ids ...string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.queued[prefix] = append(q.queued[prefix], ids...)
+}
+
+// newID is the App's newID.
+func (q *idQueue) newID(prefix string) string {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if queued := q.queued[prefix]; len(queued) > 0 {
+		q.queued[prefix] = queued[1:]
+		return queued[0]
+	}
+	return q.next(prefix)
+}
+
 func TestConsole(t *testing.T) {
 	// Ensure that without RETRYSAFE_ADMIN_KEY every console path answers
 	// as /admin does, 404 admin-disabled saying how to enable it, and
@@ -192,7 +427,7 @@ func TestConsole(t *testing.T) {
 			c.do(t, "GET", "/console", nil, nil),
 			c.do(t, "GET", "/console/login", nil, nil),
 			c.do(t, "POST", "/console/login", url.Values{"key": {""}}, nil),
-			c.do(t, "POST", "/console/outbox/"+eventID+"/retry", url.Values{}, nil),
+			c.do(t, "POST", "/console/outbox/retry", retryButton(eventID).fields, nil),
 		} {
 			mustProblem(t, "console", r, http.StatusNotFound, problemAdminDisabled)
 			if !strings.Contains(r.Body, "RETRYSAFE_ADMIN_KEY") || !strings.Contains(r.Body, "/console") {
@@ -247,8 +482,43 @@ func TestConsole(t *testing.T) {
 			t.Fatalf("Content-Security-Policy: %q", csp)
 		}
 
-		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{}, nil), "/console/login")
+		token := csrfTokenOn(t, r.Body)
+		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{"csrf": {token}}, nil), "/console/login")
 		mustRedirect(t, "console after logout", c.do(t, "GET", "/console", nil, nil), "/console/login")
+	})
+
+	// Ensure log out takes the session's token like every other form: a
+	// POST without it, with another session's, or sent by another site's
+	// page is refused with 403 and the session stays; with it, the
+	// session ends.
+	t.Run("LogoutNeedsTheSessionsToken", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newAdminTestServer(t, env, testAdminKey)
+		c := newConsoleClient(ts)
+		c.login(t, testAdminKey, "")
+		token := csrfTokenOn(t, c.page(t, "/console", http.StatusOK))
+		other := newConsoleClient(ts)
+		other.login(t, testAdminKey, "")
+		otherToken := csrfTokenOn(t, other.page(t, "/console", http.StatusOK))
+		for what, tc := range map[string]struct {
+			form   url.Values
+			header map[string]string
+		}{
+			"no token":                   {url.Values{}, nil},
+			"another session's token":    {url.Values{"csrf": {otherToken}}, nil},
+			"Sec-Fetch-Site: cross-site": {url.Values{"csrf": {token}}, map[string]string{"Sec-Fetch-Site": "cross-site"}},
+			"another Origin":             {url.Values{"csrf": {token}}, map[string]string{"Origin": "http://evil.example"}},
+		} {
+			r := c.do(t, "POST", "/console/logout", tc.form, tc.header)
+			mustProblem(t, "logout with "+what, r, http.StatusForbidden, problemForbidden)
+			if len(r.Header["Set-Cookie"]) != 0 {
+				t.Fatalf("logout with %s set %v", what, r.Header["Set-Cookie"])
+			}
+			c.page(t, "/console", http.StatusOK)
+		}
+		mustRedirect(t, "logout", c.do(t, "POST", "/console/logout", url.Values{"csrf": {token}}, nil), "/console/login")
+		mustRedirect(t, "console after logout", c.do(t, "GET", "/console", nil, nil), "/console/login")
+		other.page(t, "/console", http.StatusOK)
 	})
 
 	// Ensure a session cookie that was altered, signed under another admin
@@ -261,7 +531,7 @@ func TestConsole(t *testing.T) {
 		good := *c.cookies[consoleSessionCookie]
 
 		payload, sig, _ := strings.Cut(good.Value, ".")
-		other := &server{adminKey: "another_key"}
+		other := &server{adminKey: "another_admin_key_0b8e2f6d41c97a35e1"}
 		forged := map[string]string{
 			"altered payload":   payload + "x." + sig,
 			"no signature":      payload,
@@ -315,14 +585,14 @@ func TestConsole(t *testing.T) {
 				t.Errorf("page does not show %q", want)
 			}
 		}
-		for _, button := range []string{
-			`action="/console/outbox/` + s.failedEventID + `/retry"`,
-			`action="/console/inbox/` + paymentServiceConsumer + "/" + s.poisonMessageID + `/replay"`,
-			`action="/console/sagas/` + s.sagaID + `/resume"`,
-			`action="/console/refunds/finish"`,
+		for _, b := range []consoleButton{
+			retryButton(s.failedEventID),
+			replayButton(paymentServiceConsumer, s.poisonMessageID),
+			resumeButton(s.sagaID),
+			finishButton(),
 		} {
-			if !strings.Contains(page, button) {
-				t.Errorf("page has no form %s", button)
+			if got := formsOn(page)[b.action+" "+b.fields.Encode()]; got != 1 {
+				t.Errorf("page has %d forms %s %s, want 1", got, b.action, b.fields.Encode())
 			}
 		}
 	})
@@ -336,7 +606,7 @@ func TestConsole(t *testing.T) {
 		s := setAsideOneOfEach(t, env)
 		c.login(t, testAdminKey, "alice")
 
-		page := c.press(t, "/console/outbox/"+s.failedEventID+"/retry")
+		page := c.press(t, retryButton(s.failedEventID))
 		if got := env.str(t, `SELECT status || ':' || attempts FROM outbox_events WHERE event_id = ?`, s.failedEventID); got != "pending:0" {
 			t.Fatalf("event is %s after retry", got)
 		}
@@ -347,17 +617,17 @@ func TestConsole(t *testing.T) {
 			t.Fatal("a reload shows the message again")
 		}
 
-		page = c.press(t, "/console/inbox/"+paymentServiceConsumer+"/"+s.poisonMessageID+"/replay")
+		page = c.press(t, replayButton(paymentServiceConsumer, s.poisonMessageID))
 		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE status = 'poison'`); got != 0 || !strings.Contains(page, "delivered again") {
 			t.Fatalf("%d poison after replay:\n%s", got, page)
 		}
 
-		page = c.press(t, "/console/sagas/"+s.sagaID+"/resume")
+		page = c.press(t, resumeButton(s.sagaID))
 		if got := env.str(t, `SELECT status FROM saga_instances WHERE saga_id = ?`, s.sagaID); got != string(sagaCompensating) || !strings.Contains(page, "compensating again") {
 			t.Fatalf("saga is %s after resume:\n%s", got, page)
 		}
 
-		page = c.press(t, "/console/refunds/finish")
+		page = c.press(t, finishButton())
 		if got := env.str(t, `SELECT recovery_point FROM idempotency_keys WHERE idempotency_key = 'refund-1'`); got != string(recoveryFinished) || !strings.Contains(page, "; finished") {
 			t.Fatalf("refund key at %s after finish:\n%s", got, page)
 		}
@@ -372,7 +642,7 @@ func TestConsole(t *testing.T) {
 		}
 
 		// A repair of what was repaired already is refused, and says so.
-		page = c.press(t, "/console/outbox/"+s.failedEventID+"/retry")
+		page = c.press(t, retryButton(s.failedEventID))
 		if !strings.Contains(page, "Nothing was changed: refused: outbox event "+s.failedEventID+" is pending, not failed") {
 			t.Fatalf("second retry:\n%s", page)
 		}
@@ -403,30 +673,30 @@ func TestConsole(t *testing.T) {
 		}
 		before := repairState(t, env)
 
-		paths := []string{
-			"/console/outbox/" + s.failedEventID + "/retry",
-			"/console/inbox/" + paymentServiceConsumer + "/" + s.poisonMessageID + "/replay",
-			"/console/sagas/" + s.sagaID + "/resume",
-			"/console/refunds/finish",
+		buttons := []consoleButton{
+			retryButton(s.failedEventID),
+			replayButton(paymentServiceConsumer, s.poisonMessageID),
+			resumeButton(s.sagaID),
+			finishButton(),
 		}
-		for _, path := range paths {
+		for _, b := range buttons {
 			stranger := newConsoleClient(ts)
-			mustRedirect(t, "no session", stranger.do(t, "POST", path, url.Values{"csrf": {token}}, nil), "/console/login")
+			mustRedirect(t, "no session", stranger.do(t, "POST", b.action, b.form(token), nil), "/console/login")
 			for what, form := range map[string]url.Values{
-				"no token":                {},
-				"a wrong token":           {"csrf": {strings.Repeat("0", len(token))}},
-				"not hex":                 {"csrf": {"zz"}},
-				"another session's token": {"csrf": {otherToken}},
+				"no token":                b.form(""),
+				"a wrong token":           b.form(strings.Repeat("0", len(token))),
+				"not hex":                 b.form("zz"),
+				"another session's token": b.form(otherToken),
 			} {
-				r := c.do(t, "POST", path, form, nil)
-				mustProblem(t, path+" with "+what, r, http.StatusForbidden, problemForbidden)
+				r := c.do(t, "POST", b.action, form, nil)
+				mustProblem(t, b.action+" with "+what, r, http.StatusForbidden, problemForbidden)
 			}
 			for what, header := range map[string]map[string]string{
 				"Sec-Fetch-Site: cross-site": {"Sec-Fetch-Site": "cross-site"},
 				"another Origin":             {"Origin": "http://evil.example"},
 			} {
-				r := c.do(t, "POST", path, url.Values{"csrf": {token}}, header)
-				mustProblem(t, path+" with "+what, r, http.StatusForbidden, problemForbidden)
+				r := c.do(t, "POST", b.action, b.form(token), header)
+				mustProblem(t, b.action+" with "+what, r, http.StatusForbidden, problemForbidden)
 			}
 		}
 		r := newConsoleClient(ts).do(t, "POST", "/console/login", url.Values{"key": {testAdminKey}}, map[string]string{"Sec-Fetch-Site": "cross-site"})
@@ -435,9 +705,113 @@ func TestConsole(t *testing.T) {
 			t.Fatalf("a refused POST changed\n%s\ninto\n%s", before, after)
 		}
 		// The same browser, from its own page, is let through.
-		if page := c.press(t, "/console/sagas/"+s.sagaID+"/resume"); !strings.Contains(page, "compensating again") {
+		if page := c.press(t, resumeButton(s.sagaID)); !strings.Contains(page, "compensating again") {
 			t.Fatalf("own form:\n%s", page)
 		}
+	})
+
+	// Ensure no id a row holds decides where a form posts: with ids full
+	// of "/", "?", "#", "..", "%" and relative paths to another row's
+	// repair, every form posts to its fixed route and carries its row's
+	// ids, escaped, in hidden fields that decode to exactly those ids; the
+	// poison webhook, which no replay can deliver again, has no button
+	// and says so, and a replay forged for it anyway is refused. (The
+	// browser test presses these buttons.)
+	t.Run("NoIDDecidesWhereAFormPosts", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newAdminTestServer(t, env, testAdminKey)
+		h := setAsideHostileIDs(t, env, ts)
+		c := newConsoleClient(ts)
+		c.login(t, testAdminKey, "")
+		page := c.page(t, "/console", http.StatusOK)
+
+		routes := map[string]bool{"/console/login": true, "/console/logout": true, "/console": true,
+			"/console/outbox/retry": true, "/console/inbox/replay": true, "/console/sagas/resume": true, "/console/refunds/finish": true}
+		forms := formsOn(page)
+		for form := range forms {
+			if action, _, _ := strings.Cut(form, " "); !routes[action] {
+				t.Errorf("a form posts to %q", action)
+			}
+		}
+		var want []consoleButton
+		for _, id := range h.failedEvents {
+			want = append(want, retryButton(id))
+		}
+		for _, id := range h.poisonMessages {
+			want = append(want, replayButton(paymentServiceConsumer, id))
+		}
+		for _, id := range append(h.sagas, h.sagaID) {
+			want = append(want, resumeButton(id))
+		}
+		for _, b := range want {
+			if got := forms[b.action+" "+b.fields.Encode()]; got != 1 {
+				t.Errorf("%d forms %s %s on the page, want 1", got, b.action, b.fields.Encode())
+			}
+		}
+		if len(forms) != len(want)+2 {
+			t.Errorf("%d forms on the page, want the %d buttons, log out and the order form:\n%v", len(forms), len(want), forms)
+		}
+
+		webhook := replayButton(webhookConsumer, h.webhookID)
+		if !strings.Contains(page, "No replay can deliver it: the card processor sent this webhook") {
+			t.Fatalf("the poison webhook's row does not say why it has no button:\n%s", page)
+		}
+		before := repairState(t, env)
+		if page := c.press(t, webhook); !strings.Contains(page, "Nothing was changed: not found: no consumer &#34;processor-webhooks&#34; reads from the broker") {
+			t.Fatalf("a forged replay of the webhook:\n%s", page)
+		}
+		mustBeUnchanged(t, env, before)
+	})
+
+	// Ensure a form whose id field is missing, repeated or not
+	// path-escaped is refused with 400 and changes nothing.
+	t.Run("RefusesFormsWithoutTheirIDs", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newAdminTestServer(t, env, testAdminKey)
+		s := setAsideOneOfEach(t, env)
+		c := newConsoleClient(ts)
+		c.login(t, testAdminKey, "")
+		token := csrfTokenOn(t, c.page(t, "/console", http.StatusOK))
+		before := repairState(t, env)
+		for what, b := range map[string]consoleButton{
+			"no event_id":      {"/console/outbox/retry", url.Values{}},
+			"two event_ids":    {"/console/outbox/retry", url.Values{"event_id": {s.failedEventID, s.failedEventID}}},
+			"a bad escape":     {"/console/outbox/retry", url.Values{"event_id": {"evt%zz"}}},
+			"an empty saga_id": {"/console/sagas/resume", url.Values{"saga_id": {""}}},
+			"no consumer":      {"/console/inbox/replay", url.Values{"message_id": {s.poisonMessageID}}},
+		} {
+			mustProblem(t, what, c.do(t, "POST", b.action, b.form(token), nil), http.StatusBadRequest, problemValidation)
+		}
+		mustBeUnchanged(t, env, before)
+	})
+
+	// Ensure a poison message that neither the outbox nor the broker
+	// holds any more (cleanup deleted it a week after its delivery) has
+	// no replay button, says why, and a replay forged for it is refused.
+	t.Run("GoneMessageHasNoReplayButton", func(t *testing.T) {
+		env := MustOpenApp(t)
+		c := newConsoleClient(newAdminTestServer(t, env, testAdminKey))
+		s := setAsideOneOfEach(t, env)
+		env.drain(t)
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM outbox_events WHERE event_id = ?) + (SELECT COUNT(*) FROM broker_messages WHERE message_id = ?)`,
+			s.poisonMessageID, s.poisonMessageID); n != 0 {
+			t.Fatalf("cleanup left %d copies of the poison message", n)
+		}
+		c.login(t, testAdminKey, "")
+		page := c.page(t, "/console", http.StatusOK)
+		replay := replayButton(paymentServiceConsumer, s.poisonMessageID)
+		if formsOn(page)[replay.action+" "+replay.fields.Encode()] != 0 || !strings.Contains(page, "neither the outbox nor the broker holds the message any more") {
+			t.Fatalf("the gone message's row:\n%s", page)
+		}
+		before := repairState(t, env)
+		if page := c.press(t, replay); !strings.Contains(page, "Nothing was changed: refused: message "+s.poisonMessageID+" is in neither the outbox nor the broker") {
+			t.Fatalf("a forged replay of the gone message:\n%s", page)
+		}
+		mustBeUnchanged(t, env, before)
 	})
 
 	// Ensure the order form shows the order's timeline as trace prints it,
@@ -519,138 +893,10 @@ func TestConsole(t *testing.T) {
 	t.Run("Problems", func(t *testing.T) {
 		env := MustOpenApp(t)
 		c := newConsoleClient(newAdminTestServer(t, env, testAdminKey))
-		mustProblem(t, "GET retry", c.do(t, "GET", "/console/outbox/evt_x/retry", nil, nil), http.StatusMethodNotAllowed, problemMethodNotAllowed)
+		mustProblem(t, "GET retry", c.do(t, "GET", "/console/outbox/retry", nil, nil), http.StatusMethodNotAllowed, problemMethodNotAllowed)
 		mustProblem(t, "DELETE console", c.do(t, "DELETE", "/console", nil, nil), http.StatusMethodNotAllowed, problemMethodNotAllowed)
 		mustProblem(t, "unknown path", c.do(t, "GET", "/console/nope", nil, nil), http.StatusNotFound, problemNotFound)
 	})
-}
-
-// browserText returns the text of the element sel selects on the page.
-func browserText(tb testing.TB, ctx context.Context, sel chromedp.CSS) string {
-	tb.Helper()
-	text, err := chromedp.Run(ctx, chromedp.Text(sel))
-	if err != nil {
-		tb.Fatalf("read %s: %v", sel, err)
-	}
-	return text
-}
-
-// chromiumPath returns the Chromium the browser test drives:
-// $RETRYSAFE_CHROMIUM, or Debian's /usr/bin/chromium. It skips the test
-// when there is none, unless RETRYSAFE_TEST_BROWSER=1 (as in CI), where a
-// missing browser fails it.
-func chromiumPath(tb testing.TB) string {
-	tb.Helper()
-	candidates := []string{"/usr/bin/chromium"}
-	if path := os.Getenv("RETRYSAFE_CHROMIUM"); path != "" {
-		candidates = []string{path}
-	}
-	for _, path := range candidates {
-		if _, err := exec.LookPath(path); err == nil {
-			return path
-		}
-	}
-	if os.Getenv("RETRYSAFE_TEST_BROWSER") == "1" {
-		tb.Fatalf("RETRYSAFE_TEST_BROWSER=1 but no Chromium at %s: apt-get install chromium, or set RETRYSAFE_CHROMIUM", strings.Join(candidates, ", "))
-	}
-	tb.Skipf("no Chromium at %s: apt-get install chromium (or set RETRYSAFE_CHROMIUM) to run the browser test", strings.Join(candidates, ", "))
-	return ""
-}
-
-// Ensure an operator in a real browser logs in, sees the failed event,
-// presses "retry", and after a relay pass sees the event published in the
-// order's timeline, as the database has it.
-func TestConsoleInBrowser(t *testing.T) {
-	chromium := chromiumPath(t)
-	env := MustOpenApp(t)
-	ts := newAdminTestServer(t, env, testAdminKey)
-	orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
-	failPublishing(t, env)
-	eventID := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderID)
-
-	// The flags this machine's closed network needs: without them
-	// Chromium keeps trying to reach Google's hosts.
-	allocator, cancelAllocator := chromedp.NewExecAllocator(context.Background(),
-		chromedp.ExecPath(chromium),
-		chromedp.Headless,
-		chromedp.NoSandbox,
-		chromedp.DisableGPU,
-		chromedp.NoFirstRun,
-		chromedp.NoDefaultBrowserCheck,
-		chromedp.UserDataDir(t.TempDir()),
-		chromedp.Flag("disable-quic", true),
-		chromedp.Flag("disable-background-networking", true),
-		chromedp.Flag("disable-component-update", true),
-		chromedp.Flag("disable-sync", true),
-	)
-	defer cancelAllocator()
-	browser, cancelBrowser := chromedp.NewContext(allocator)
-	defer cancelBrowser()
-	ctx, cancel := context.WithTimeout(browser, 90*time.Second)
-	defer cancel()
-
-	retry := `form[action="/console/outbox/` + eventID + `/retry"] button`
-	row := chromedp.CSS(`tr[data-event="` + eventID + `"]`)
-	err := chromedp.Do(ctx,
-		chromedp.Navigate(ts.URL+"/console"),
-		chromedp.WaitVisible(chromedp.CSS(`#key`)),
-		chromedp.SendKeys(chromedp.CSS(`#key`), testAdminKey),
-		chromedp.SendKeys(chromedp.CSS(`#operator`), "browser"),
-		chromedp.Click(chromedp.CSS(`#login`)),
-		chromedp.WaitVisible(row),
-	)
-	if err != nil {
-		t.Fatalf("log in: %v", err)
-	}
-	failedRow := browserText(t, ctx, row)
-	if !strings.Contains(failedRow, "broker unreachable") {
-		t.Fatalf("failed event's row: %q", failedRow)
-	}
-	if err := chromedp.Do(ctx, chromedp.Click(chromedp.CSS(retry)), chromedp.WaitVisible(chromedp.CSS(`#flash`))); err != nil {
-		t.Fatalf("press retry: %v", err)
-	}
-	flash := browserText(t, ctx, chromedp.CSS(`#flash`))
-	if !strings.Contains(flash, eventID) || !strings.Contains(flash, "pending again") || !strings.Contains(flash, "check --in-flight: ok") {
-		t.Fatalf("after retry the page says %q", flash)
-	}
-	if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, eventID); got != string(outboxPending) {
-		t.Fatalf("event is %s after retry, want pending", got)
-	}
-
-	if n, err := env.app.relayOnce(context.Background(), "relay", relayBatchSize); err != nil || n != 1 {
-		t.Fatalf("relay published %d, %v; want the retried event", n, err)
-	}
-	err = chromedp.Do(ctx,
-		chromedp.Navigate(ts.URL+"/console"),
-		chromedp.WaitVisible(chromedp.CSS(`#backlog`)),
-	)
-	if err != nil {
-		t.Fatalf("reload: %v", err)
-	}
-	backlog := browserText(t, ctx, chromedp.CSS(`#backlog`))
-	failed := browserText(t, ctx, chromedp.CSS(`#failed`))
-	if backlog != "0" || !strings.Contains(failed, "No outbox event has failed") {
-		t.Fatalf("after the relay pass the page shows backlog %q and %q", backlog, failed)
-	}
-	err = chromedp.Do(ctx,
-		chromedp.SendKeys(chromedp.CSS(`#order`), orderID),
-		chromedp.Click(chromedp.CSS(`#trace`)),
-		chromedp.WaitVisible(chromedp.CSS(`#timeline`)),
-	)
-	if err != nil {
-		t.Fatalf("look the order up: %v", err)
-	}
-	timeline := browserText(t, ctx, chromedp.CSS(`#timeline`))
-	seq := env.count(t, `SELECT seq FROM outbox_events WHERE event_id = ?`, eventID)
-	if !strings.Contains(timeline, fmt.Sprintf("outbox seq %d marked published", seq)) {
-		t.Fatalf("the timeline does not show the event published:\n%s", timeline)
-	}
-	if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, eventID); got != string(outboxPublished) {
-		t.Fatalf("event is %s, want published", got)
-	}
-	if got := repairLog(t, env); got != "console (browser)|outbox retry|"+eventID {
-		t.Fatalf("repair_log: %s", got)
-	}
 }
 
 // Ensure every console route the README's "The console" section names is

@@ -35,6 +35,7 @@ const (
 	problemAdminDisabled      problemType = "/problems/admin-disabled"
 	problemRepairRefused      problemType = "/problems/repair-refused"
 	problemForbidden          problemType = "/problems/forbidden"
+	problemTooManyWrongKeys   problemType = "/problems/too-many-wrong-keys"
 )
 
 // problemDocs explains each problem type to a person who follows its URI.
@@ -59,6 +60,7 @@ var problemDocs = map[problemType]string{
 	problemInternal:           "An unexpected error. Retry with the same Idempotency-Key to get the request's outcome.",
 	problemAdminDisabled:      "The /admin endpoints are off. Start serve with RETRYSAFE_ADMIN_KEY set and send Authorization: Bearer <that key>; customers' API keys never open them.",
 	problemForbidden:          "The console refused a request that did not come from its own page: sent by another site, or without the session's token. Nothing was changed; reload /console and press the button there.",
+	problemTooManyWrongKeys:   "Too many wrong admin keys came from your address: no key from it is checked until Retry-After has passed, the right one neither. After five wrong keys in a row each wrong key doubles the wait, from 1 second up to 15 minutes; the right key, from any address, clears that address's count.",
 	problemRepairRefused:      "The repair would change a row that is not in the state it repairs (an event that did not fail, a message that is not poison, a saga whose compensation did not fail). Nothing was changed; the detail says what the row is.",
 }
 

@@ -27,9 +27,11 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -985,14 +987,25 @@ func newRefundCommand() *cobra.Command {
 	return cmd
 }
 
+// minAdminKeyLength is the shortest RETRYSAFE_ADMIN_KEY serve accepts. The
+// key opens every repair and the console, and whoever can reach serve can
+// guess at it: the throttle (throttle.go) slows down one address, not
+// many. 32 random characters are beyond any number of guesses; `openssl
+// rand -hex 32` makes 64.
+const minAdminKeyLength = 32
+
 // adminKeyConfig reads RETRYSAFE_ADMIN_KEY for serve. Unset, the admin
-// endpoints are off. Returns an error if the admin key is also a
+// endpoints are off. Returns an error, saying how to make a good key, if
+// the key is shorter than minAdminKeyLength; or if it is also a
 // customer's API key: a customer's key must never open /admin.
 func adminKeyConfig(say func(message string), apiKeys map[string]string) (string, error) {
 	adminKey := os.Getenv("RETRYSAFE_ADMIN_KEY")
 	if adminKey == "" {
 		say("RETRYSAFE_ADMIN_KEY is not set: the /admin endpoints are off")
 		return "", nil
+	}
+	if n := utf8.RuneCountInString(adminKey); n < minAdminKeyLength {
+		return "", fmt.Errorf("RETRYSAFE_ADMIN_KEY is %d characters, too short to keep guessers out: use at least %d random ones, made with `openssl rand -hex 32`", n, minAdminKeyLength)
 	}
 	if user, ok := apiKeys[adminKey]; ok {
 		return "", fmt.Errorf("RETRYSAFE_ADMIN_KEY is also the API key of %s; choose an admin key no customer has", user)
@@ -1047,7 +1060,9 @@ type adminHandler func(w http.ResponseWriter, r *http.Request, operator string)
 // admin lets only the admin key through to next: with
 // RETRYSAFE_ADMIN_KEY unset it answers 404 admin-disabled, saying how to
 // enable the endpoints; without the admin key as the bearer token (a
-// customer's API key is not it) 401.
+// customer's API key is not it) 401; from an address that sent too many
+// wrong keys, 429 too-many-wrong-keys with Retry-After, whatever the key
+// (throttle.go).
 func (s *server) admin(next adminHandler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if s.adminKey == "" {
@@ -1056,8 +1071,18 @@ func (s *server) admin(next adminHandler) http.Handler {
 			return
 		}
 		scheme, key, ok := strings.Cut(r.Header.Get("Authorization"), " ")
-		ok = ok && strings.EqualFold(scheme, "Bearer")
-		if !ok || !sameSecret(strings.TrimSpace(key), s.adminKey) {
+		key = strings.TrimSpace(key)
+		right, retryAfter := false, 0
+		if strings.EqualFold(scheme, "Bearer") && ok && key != "" {
+			right, retryAfter = s.checkAdminKey(r, key)
+		}
+		if retryAfter > 0 {
+			w.Header().Set("Retry-After", strconv.Itoa(retryAfter))
+			writeProblem(w, problem{Type: problemTooManyWrongKeys, Title: "Too many wrong keys", Status: http.StatusTooManyRequests,
+				Detail: fmt.Sprintf("too many wrong admin keys came from %s; no key from it is checked for %d seconds", guessAddress(r), retryAfter)})
+			return
+		}
+		if !right {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="retrysafe-admin"`)
 			writeProblem(w, problem{Type: problemUnauthorized, Title: "Unauthorized", Status: http.StatusUnauthorized,
 				Detail: "the admin endpoints take Authorization: Bearer $RETRYSAFE_ADMIN_KEY; customers' API keys do not open them"})
@@ -1074,6 +1099,23 @@ func (s *server) admin(next adminHandler) http.Handler {
 		}
 		next(w, r, operator)
 	})
+}
+
+// checkAdminKey reports whether key, presented by r as the admin key, is
+// it, counting a wrong one against r's address (throttle.go); the right
+// one clears that address's count. If the address must wait before a key
+// of it is checked, key is not checked, and retryAfter is the wait in
+// seconds (0 otherwise).
+func (s *server) checkAdminKey(r *http.Request, key string) (right bool, retryAfter int) {
+	address := guessAddress(r)
+	if ok, wait := s.guesses.attempt(address); !ok {
+		return false, retryAfterSeconds(wait)
+	}
+	if !sameSecret(key, s.adminKey) {
+		return false, 0
+	}
+	s.guesses.succeeded(address)
+	return true, 0
 }
 
 // sameSecret compares a presented key with the secret in constant time.

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -10,8 +11,11 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -681,8 +685,9 @@ func TestRefundFinish(t *testing.T) {
 	})
 }
 
-// testAdminKey is the admin key of the admin API tests.
-const testAdminKey = "admin_test_key"
+// testAdminKey is the admin key of the admin API tests: as long as serve
+// requires (minAdminKeyLength).
+const testAdminKey = "admin_test_key_6f0c9a41d2e87b35c4a1"
 
 // newAdminTestServer serves env's API, with adminKey as the admin key, on
 // a loopback port until the test ends.
@@ -698,6 +703,18 @@ func newAdminTestServer(tb testing.TB, env *testEnv, adminKey string) *httptest.
 	ts := httptest.NewServer(s.routes())
 	tb.Cleanup(ts.Close)
 	return ts
+}
+
+// adminPathSegment escapes id as one segment of an /admin path, as a
+// client must: url.PathEscape, and the dots of an id made of dots only
+// ("." and ".."), which a client or the server's path cleaning would
+// otherwise resolve as a step up the path. (Go's ServeMux matches the
+// escaped path and unescapes each segment, so PathValue returns the id.)
+func adminPathSegment(id string) string {
+	if strings.Trim(id, ".") == "" {
+		return strings.Repeat("%2E", len(id))
+	}
+	return url.PathEscape(id)
 }
 
 // adminCall sends an admin request with a bearer key and an operator name.
@@ -780,14 +797,42 @@ func TestAdminAPI(t *testing.T) {
 	// Ensure serve will not start with an admin key that is also a
 	// customer's API key.
 	t.Run("AdminKeyMustNotBeACustomerKey", func(t *testing.T) {
-		t.Setenv("RETRYSAFE_ADMIN_KEY", keyUser42)
-		_, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"})
+		customerKey := "sk_live_" + strings.Repeat("c", minAdminKeyLength)
+		t.Setenv("RETRYSAFE_ADMIN_KEY", customerKey)
+		_, err := adminKeyConfig(func(string) {}, map[string]string{customerKey: "user-42"})
 		if err == nil || !strings.Contains(err.Error(), "also the API key of user-42") {
 			t.Fatalf("got %v", err)
 		}
 		t.Setenv("RETRYSAFE_ADMIN_KEY", testAdminKey)
 		if key, err := adminKeyConfig(func(string) {}, map[string]string{keyUser42: "user-42"}); err != nil || key != testAdminKey {
 			t.Fatalf("got %q, %v", key, err)
+		}
+	})
+
+	// Ensure serve refuses an admin key shorter than 32 characters, saying
+	// how to make one, and exits before it creates the database; 32
+	// characters are enough. (serve runs with its context already done:
+	// one that accepted the key would open the database and stop at
+	// once, not serve for ever.)
+	t.Run("ServeRefusesAShortAdminKey", func(t *testing.T) {
+		stopped, stop := context.WithCancel(context.Background())
+		stop()
+		for _, key := range []string{"a", "choose-a-long-random-secret", strings.Repeat("k", minAdminKeyLength-1), "ключ-" + strings.Repeat("к", 26)} {
+			t.Setenv("RETRYSAFE_ADMIN_KEY", key)
+			path := filepath.Join(t.TempDir(), "x.db")
+			var output bytes.Buffer
+			err := run(stopped, []string{"serve", "--db", path, "--addr", "127.0.0.1:0"}, strings.NewReader(""), &output, &output)
+			out := output.String()
+			if err == nil || !strings.Contains(out, "RETRYSAFE_ADMIN_KEY is") || !strings.Contains(out, "at least 32") || !strings.Contains(out, "openssl rand -hex 32") {
+				t.Fatalf("key %q: got %v\n%s", key, err, out)
+			}
+			if _, err := os.Stat(path); !os.IsNotExist(err) {
+				t.Fatalf("key %q: serve created %s before refusing the key (%v)", key, path, err)
+			}
+		}
+		t.Setenv("RETRYSAFE_ADMIN_KEY", strings.Repeat("k", minAdminKeyLength))
+		if key, err := adminKeyConfig(func(string) {}, nil); err != nil || len(key) != minAdminKeyLength {
+			t.Fatalf("a key of %d characters: got %q, %v", minAdminKeyLength, key, err)
 		}
 	})
 
@@ -877,6 +922,49 @@ func TestAdminAPI(t *testing.T) {
 			t.Fatalf("repair_log: %s", got)
 		}
 		mustAuditClean(t, env, true)
+	})
+
+	// Ensure an id that needs escaping in a URL reaches its row exactly:
+	// each repair of a row whose id holds "/", "?", "#", "..", "%", a line
+	// break or letters beyond ASCII, sent with the id path-escaped, repairs
+	// that row and no other, and the lists show the ids as stored.
+	t.Run("RepairsRowsWhoseIDsNeedEscaping", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newAdminTestServer(t, env, testAdminKey)
+		h := setAsideHostileIDs(t, env, ts)
+		r := adminCall(t, ts, "GET", "/admin/outbox", testAdminKey, "")
+		var listed []outboxListing
+		if err := json.Unmarshal([]byte(r.Body), &listed); err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, e := range listed {
+			ids = append(ids, e.EventID)
+		}
+		if strings.Join(ids, "|") != strings.Join(h.failedEvents, "|") {
+			t.Fatalf("GET /admin/outbox lists %q, want %q", ids, h.failedEvents)
+		}
+		type call struct{ path, row string }
+		var calls []call
+		for _, id := range h.failedEvents {
+			calls = append(calls, call{"/admin/outbox/" + adminPathSegment(id) + "/retry", "outbox " + id})
+		}
+		for _, id := range h.poisonMessages {
+			calls = append(calls, call{"/admin/inbox/" + paymentServiceConsumer + "/" + adminPathSegment(id) + "/replay", "inbox " + paymentServiceConsumer + "/" + id})
+		}
+		for _, id := range append(h.sagas, h.sagaID) {
+			calls = append(calls, call{"/admin/sagas/" + adminPathSegment(id) + "/resume", "saga " + id})
+		}
+		for _, c := range calls {
+			before := repairableRows(t, env)
+			r := adminCall(t, ts, "POST", c.path, testAdminKey, "")
+			if r.Status != http.StatusOK {
+				t.Fatalf("POST %s: got %d %s", c.path, r.Status, r.Body)
+			}
+			if changed := changedRows(before, repairableRows(t, env)); len(changed) != 1 || !strings.HasPrefix(changed[0], strconv.Quote(c.row)+":") {
+				t.Fatalf("POST %s changed\n%s\nwant %q only", c.path, strings.Join(changed, "\n"), c.row)
+			}
+		}
 	})
 
 	// Ensure an unknown target, a bad query, a wrong method, a bad operator

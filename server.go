@@ -40,7 +40,10 @@ type server struct {
 	webhookSecret []byte
 	// adminKey opens the /admin endpoints (repair.go); empty, they are off.
 	adminKey string
-	logger   *slog.Logger
+	// guesses throttles wrong admin keys (throttle.go); routes makes one
+	// on the App's clock if it is nil.
+	guesses *guessThrottle
+	logger  *slog.Logger
 }
 
 // parseAPIKeys parses RETRYSAFE_API_KEYS ("user-42:sk_test_a,user-7:sk_test_b").
@@ -70,6 +73,9 @@ func parseAPIKeys(spec string) (map[string]string, error) {
 // routes returns the server's handler, with panic recovery and request
 // logging around every route.
 func (s *server) routes() http.Handler {
+	if s.guesses == nil {
+		s.guesses = newGuessThrottle(s.app.now)
+	}
 	mux := http.NewServeMux()
 	// The two requests that write events start (or continue) their trace
 	// (tracing.go).
