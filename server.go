@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // maxBodyBytes bounds every request body: an order is a few hundred bytes.
@@ -426,12 +427,16 @@ func (s *server) handleRefund(w http.ResponseWriter, r *http.Request, userID str
 	if !ok {
 		return
 	}
+	orderID, ok := orderIDFrom(w, r)
+	if !ok {
+		return
+	}
 	refund, err := decodeRefundRequest(req.CanonicalBody)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	response, err := s.app.refundOrder(r.Context(), req, r.PathValue("id"), refund)
+	response, err := s.app.refundOrder(r.Context(), req, orderID, refund)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -442,10 +447,14 @@ func (s *server) handleRefund(w http.ResponseWriter, r *http.Request, userID str
 // handleGetOrder is GET /api/orders/{id}: the order with its payment and its
 // saga. Another user's order is 404, as if it did not exist.
 func (s *server) handleGetOrder(w http.ResponseWriter, r *http.Request, userID string) {
-	view, err := s.app.orderDetails(r.Context(), r.PathValue("id"), userID)
+	orderID, ok := orderIDFrom(w, r)
+	if !ok {
+		return
+	}
+	view, err := s.app.orderDetails(r.Context(), orderID, userID)
 	if errors.Is(err, errOrderNotFound) {
 		writeProblem(w, problem{Type: problemNotFound, Title: "Order not found", Status: http.StatusNotFound,
-			Detail: fmt.Sprintf("no order %s", r.PathValue("id"))})
+			Detail: fmt.Sprintf("no order %s", orderID)})
 		return
 	}
 	if err != nil {
@@ -458,6 +467,21 @@ func (s *server) handleGetOrder(w http.ResponseWriter, r *http.Request, userID s
 		return
 	}
 	writeAPIResponse(w, apiResponse{Status: http.StatusOK, Body: body})
+}
+
+// orderIDFrom returns the {id} of the request's path, or answers 404 and
+// returns false if it cannot be the id of any order: bytes that are not
+// UTF-8 (the path may hold any, escaped as %FF). Our ids are ASCII; such an
+// id must not reach a query, where PostgreSQL refuses it (a 500), nor be
+// stored as a key's request path.
+func orderIDFrom(w http.ResponseWriter, r *http.Request) (string, bool) {
+	orderID := r.PathValue("id")
+	if !utf8.ValidString(orderID) {
+		writeProblem(w, problem{Type: problemNotFound, Title: "Order not found", Status: http.StatusNotFound,
+			Detail: fmt.Sprintf("no order %q: an order id is UTF-8 text", orderID)})
+		return "", false
+	}
+	return orderID, true
 }
 
 // handleHealth is GET /healthz: 200 when the database answers.

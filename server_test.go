@@ -302,3 +302,24 @@ func TestHTTPCreateOrder(t *testing.T) {
 		}
 	})
 }
+
+// Ensure an order id whose bytes are not UTF-8 is a 404 that stores
+// nothing, on every database: PostgreSQL refuses such text in a query, and
+// answered 500.
+func TestHTTPOrderIDNotUTF8(t *testing.T) {
+	env := MustOpenApp(t)
+	ts := newTestServer(t, env)
+	for _, tc := range []struct{ method, path, key, body string }{
+		{"GET", "/api/orders/ord_%FF", "", ""},
+		{"POST", "/api/orders/ord_%FF/refund", "r-not-utf8", "{}"},
+		{"POST", "/api/orders/%C3%28/refund", "r-not-utf8-2", ""},
+	} {
+		got := call(t, ts, tc.method, tc.path, keyUser42, tc.key, tc.body)
+		if got.Status != http.StatusNotFound || problemTypeOf(t, got) != problemNotFound {
+			t.Fatalf("%s %s: got %d %s, want 404 %s", tc.method, tc.path, got.Status, got.Body, problemNotFound)
+		}
+	}
+	if n := env.count(t, `SELECT COUNT(*) FROM idempotency_keys`); n != 0 {
+		t.Fatalf("%d idempotency keys stored, want 0", n)
+	}
+}
