@@ -60,6 +60,11 @@ func parseAPIKeys(spec string) (map[string]string, error) {
 		if !ok || user == "" || key == "" {
 			return nil, fmt.Errorf("RETRYSAFE_API_KEYS entry %q is not user:key", entry)
 		}
+		// The user id is stored on every order and key, and printed by
+		// every command: printable ASCII without spaces, like our own ids.
+		if !isPrintableToken(user) || !isPrintableToken(key) {
+			return nil, fmt.Errorf("RETRYSAFE_API_KEYS entry %q: user and key must be printable ASCII without spaces", terminalSafe(entry))
+		}
 		if _, dup := keys[key]; dup {
 			return nil, fmt.Errorf("RETRYSAFE_API_KEYS lists key of %q twice", user)
 		}
@@ -69,6 +74,16 @@ func parseAPIKeys(spec string) (map[string]string, error) {
 		return nil, errors.New("RETRYSAFE_API_KEYS has no user:key entries")
 	}
 	return keys, nil
+}
+
+// isPrintableToken reports whether s is printable ASCII with no spaces.
+func isPrintableToken(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] <= ' ' || s[i] > '~' {
+			return false
+		}
+	}
+	return true
 }
 
 // routes returns the server's handler, with panic recovery and request

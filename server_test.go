@@ -323,3 +323,17 @@ func TestHTTPOrderIDNotUTF8(t *testing.T) {
 		t.Fatalf("%d idempotency keys stored, want 0", n)
 	}
 }
+
+// Ensure RETRYSAFE_API_KEYS refuses a user or key that is not printable
+// ASCII: a user id is stored on every order and printed by every command.
+func TestParseAPIKeysRefusesUnprintable(t *testing.T) {
+	for _, spec := range []string{"user\x1b[2K:sk_a", "user 42:sk_a", "user-42:sk\ta", "usér:sk_a"} {
+		if _, err := parseAPIKeys(spec); err == nil || !strings.Contains(err.Error(), "printable ASCII") {
+			t.Fatalf("parseAPIKeys(%q) = %v, want an error naming printable ASCII", spec, err)
+		}
+	}
+	keys, err := parseAPIKeys("user-42:sk_test_a, user-7:sk_test_b")
+	if err != nil || keys["sk_test_a"] != "user-42" || keys["sk_test_b"] != "user-7" {
+		t.Fatalf("parseAPIKeys of a good spec = %v, %v", keys, err)
+	}
+}
