@@ -792,3 +792,31 @@ func TestREADMEMetricsAndLogs(t *testing.T) {
 		t.Errorf("the demo prints no line\n%s\nit prints:\n%s", example, out)
 	}
 }
+
+// BenchmarkMetricsScrape is one read of the database gauges, what every
+// scrape of /metrics asks of the database, on databases whose history
+// grows from a thousand sagas (and as many orders and events) to a million
+// (RETRYSAFE_BENCH_ROWS caps it), each with the same live work beside it
+// (fillHistory). The time must stay flat: Prometheus scrapes every few
+// seconds from every process, for ever.
+func BenchmarkMetricsScrape(b *testing.B) {
+	for _, rows := range historySizes(benchRows(b)) {
+		b.Run("sagas-"+strconv.Itoa(rows), func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			fillHistory(b, app.db, rows)
+			registry := prometheus.NewRegistry()
+			registry.MustRegister(newDBCollector(app.readDB, app.now))
+			for b.Loop() {
+				families, err := registry.Gather()
+				if err != nil {
+					b.Fatal(err)
+				}
+				for _, family := range families {
+					if family.GetName() == "retrysafe_outbox_failed_events" && family.GetMetric()[0].GetGauge().GetValue() != historyFailedEvents {
+						b.Fatalf("%v failed events, want %d", family.GetMetric()[0].GetGauge().GetValue(), historyFailedEvents)
+					}
+				}
+			}
+		})
+	}
+}

@@ -12,7 +12,10 @@ import (
 	"net/http/httptest"
 	"os"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -994,5 +997,105 @@ func mustRefuseCommand(t *testing.T, args []string, want string) {
 	out, err := runTraceCLI(t, args...)
 	if err == nil || !strings.Contains(out, want) {
 		t.Fatalf("%v: got %v\n%s\nwant an error naming %q", args, err, out, want)
+	}
+}
+
+// BenchmarkCreatesBesideRepairs is fresh creates over loopback HTTP from 8
+// clients on a database with a long history (fillHistory: a million
+// orders, events and sagas, or RETRYSAFE_BENCH_ROWS), alone and while an
+// operator retries a failed outbox event through /admin, again and again,
+// each repair answered with the audit after it. Beside orders/s it reports
+// the slowest create and the 99th percentile, which show whether a repair
+// stalls the creates, and how long each repair took, audit included.
+func BenchmarkCreatesBesideRepairs(b *testing.B) {
+	app := benchApp(b, durabilityNormal)
+	fillHistory(b, app.db, benchRows(b))
+	s := &server{app: app, apiKeys: map[string]string{keyUser42: "user-42"}, webhookSecret: []byte(testWebhookSecret),
+		adminKey: testAdminKey, logger: discardLogger()}
+	ts := httptest.NewServer(s.routes())
+	b.Cleanup(ts.Close)
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	for _, repairing := range []bool{false, true} {
+		name := "alone"
+		if repairing {
+			name = "repairing"
+		}
+		b.Run(name, func(b *testing.B) {
+			stop, repaired := make(chan struct{}), make(chan error, 1)
+			var repairs atomic.Int64
+			var repairTime atomic.Int64
+			if repairing {
+				go func() { repaired <- repairUntil(stop, app, ts, &repairs, &repairTime) }()
+			} else {
+				repaired <- nil
+			}
+			client := benchClient(8)
+			prefix := "beside-" + name + "-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+			latencies := make([]time.Duration, b.N)
+			b.ResetTimer()
+			runClients(b, 8, func(i int) error {
+				start := time.Now()
+				status, answer, err := postOrder(client, ts.URL, prefix+strconv.Itoa(i), body)
+				latencies[i-1] = time.Since(start)
+				if err != nil {
+					return err
+				}
+				if status != http.StatusCreated {
+					return fmt.Errorf("got %d %s; want 201", status, answer)
+				}
+				return nil
+			})
+			b.StopTimer()
+			reportOpsPerSecond(b, "orders/s")
+			close(stop)
+			if err := <-repaired; err != nil {
+				b.Fatal(err)
+			}
+			slices.Sort(latencies)
+			b.ReportMetric(float64(latencies[len(latencies)*99/100].Microseconds())/1000, "p99-ms")
+			b.ReportMetric(float64(latencies[len(latencies)-1].Microseconds())/1000, "max-ms")
+			if n := repairs.Load(); n > 0 {
+				b.ReportMetric(float64(n), "repairs")
+				b.ReportMetric(float64(time.Duration(repairTime.Load()).Milliseconds())/float64(n), "ms/repair")
+			}
+		})
+	}
+}
+
+// repairUntil makes one of fillHistory's failed events fail again (as the
+// relay would) and retries it through POST /admin/outbox/{id}/retry, over
+// and over until stop is closed, counting the repairs and the time they
+// took (the audit after each included).
+func repairUntil(stop <-chan struct{}, app *App, ts *httptest.Server, repairs, took *atomic.Int64) error {
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return nil
+		default:
+		}
+		eventID := fmt.Sprintf("evt_live_%d", historyInFlight+1+i%historyFailedEvents)
+		if _, err := app.db.Exec(`UPDATE outbox_events SET status = 'failed' WHERE event_id = ?`, eventID); err != nil {
+			return err
+		}
+		req, err := http.NewRequest("POST", ts.URL+"/admin/outbox/"+eventID+"/retry", nil)
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Authorization", "Bearer "+testAdminKey)
+		start := time.Now()
+		resp, err := ts.Client().Do(req)
+		if err != nil {
+			return err
+		}
+		answer, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("retry %s: %d %s", eventID, resp.StatusCode, answer)
+		}
+		took.Add(int64(time.Since(start)))
+		repairs.Add(1)
 	}
 }
