@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"regexp"
 	"slices"
@@ -1097,5 +1098,116 @@ func repairUntil(stop <-chan struct{}, app *App, ts *httptest.Server, repairs, t
 		}
 		took.Add(int64(time.Since(start)))
 		repairs.Add(1)
+	}
+}
+
+// Ensure the audit after a repair, from /admin and from the console, reads
+// on the read connections and leaves the one write connection to the
+// creates: with every read connection held, the repair commits and its
+// answer waits, while a write goes through beside it. (On PostgreSQL,
+// reads and writes share one pool: there is nothing to tell apart.)
+func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
+	if onPostgres() {
+		t.Skip("on PostgreSQL the read connections are the pool the writes use too")
+	}
+	for _, via := range []string{"admin", "console"} {
+		t.Run(via, func(t *testing.T) {
+			env := MustOpenApp(t)
+			ts := newAdminTestServer(t, env, testAdminKey)
+			failed := setAsideOneOfEach(t, env).failedEventID
+			ctx := context.Background()
+			req, err := http.NewRequest("POST", ts.URL+"/admin/outbox/"+failed+"/retry", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Authorization", "Bearer "+testAdminKey)
+			if via == "console" {
+				c := newConsoleClient(ts)
+				c.login(t, testAdminKey, "alice")
+				token := csrfTokenOn(t, c.page(t, "/console", http.StatusOK))
+				req, err = http.NewRequest("POST", ts.URL+"/console/outbox/"+failed+"/retry", strings.NewReader(url.Values{"csrf": {token}}.Encode()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+				for _, cookie := range c.cookies {
+					req.AddCookie(cookie)
+				}
+			}
+
+			readers := env.app.readDB
+			var held []*sql.Conn
+			release := func() {
+				for _, conn := range held {
+					conn.Close()
+				}
+				held = nil
+			}
+			defer release()
+			for range readers.Stats().MaxOpenConnections {
+				conn, err := readers.Conn(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				held = append(held, conn)
+			}
+			waited := readers.Stats().WaitCount
+			type answer struct {
+				status int
+				body   string
+				err    error
+			}
+			answered := make(chan answer, 1)
+			go func() {
+				client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+				resp, err := client.Do(req)
+				if err != nil {
+					answered <- answer{err: err}
+					return
+				}
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				answered <- answer{resp.StatusCode, string(body), err}
+			}()
+			deadline := time.After(time.Minute)
+			for readers.Stats().WaitCount == waited {
+				select {
+				case got := <-answered:
+					t.Fatalf("with every read connection held, the repair was answered (%d %v): its audit did not read on them", got.status, got.err)
+				case <-deadline:
+					t.Fatal("waited a minute for the repair's audit to ask for a read connection")
+				case <-time.After(time.Millisecond):
+				}
+			}
+			if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, failed); got != string(outboxPending) {
+				t.Fatalf("the event is %s while the audit waits; want the repair committed", got)
+			}
+			// The audit waits for a reader, holding no write connection:
+			// a write goes through.
+			err = withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `UPDATE stock_items SET stocked = stocked WHERE sku = 'sku-1'`)
+				return err
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case got := <-answered:
+				t.Fatalf("the repair was answered (%d %v) before a read connection was free", got.status, got.err)
+			default:
+			}
+			release()
+			got := <-answered
+			want := http.StatusOK
+			if via == "console" {
+				want = http.StatusSeeOther
+			}
+			if got.err != nil || got.status != want {
+				t.Fatalf("the repair answered %d %v %s, want %d", got.status, got.err, got.body, want)
+			}
+			if via == "admin" && !strings.Contains(got.body, `"check":{"ok":true`) {
+				t.Fatalf("the audit after the repair: %s", got.body)
+			}
+		})
 	}
 }
