@@ -121,6 +121,9 @@ type App struct {
 	// idle is how long the loops sleep when they find nothing and nobody
 	// wakes them: the safety net for a signal that never came.
 	idle idleTimes
+	// repairAudits holds a token while an audit after a repair runs: one
+	// at a time (auditAfterRepair).
+	repairAudits chan struct{}
 	// tracerProvider makes the spans that follow an order through every
 	// layer (tracing.go): a no-op one unless serve, relay or worker found
 	// OTEL_EXPORTER_OTLP_ENDPOINT set.
@@ -164,6 +167,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
 		log:       slog.New(slog.DiscardHandler),
 
+		repairAudits:   make(chan struct{}, 1),
 		tracerProvider: noop.NewTracerProvider(),
 	}
 	var consumerNames []string

@@ -669,14 +669,7 @@ func TestMain(m *testing.M) {
 // with the tables. RETRYSAFE_BENCH_ROWS sets a smaller size, for a quick
 // run.
 func BenchmarkGrowth(b *testing.B) {
-	rows := 1_000_000
-	if value := os.Getenv("RETRYSAFE_BENCH_ROWS"); value != "" {
-		n, err := strconv.Atoi(value)
-		if err != nil || n <= 0 {
-			b.Fatalf("RETRYSAFE_BENCH_ROWS=%q: want a positive number", value)
-		}
-		rows = n
-	}
+	rows := benchRows(b)
 	grownApp.once.Do(func() {
 		var target string
 		if base := os.Getenv(testPostgresEnv); base != "" {
@@ -873,4 +866,105 @@ func runtimeProcs() int {
 // skew the HTTP benchmark.
 func discardLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// benchRows is how many rows the benchmarks on a long history put in each
+// table: a million, or RETRYSAFE_BENCH_ROWS for a quick run.
+func benchRows(b *testing.B) int {
+	b.Helper()
+	value := os.Getenv("RETRYSAFE_BENCH_ROWS")
+	if value == "" {
+		return 1_000_000
+	}
+	n, err := strconv.Atoi(value)
+	if err != nil || n <= 0 {
+		b.Fatalf("RETRYSAFE_BENCH_ROWS=%q: want a positive number", value)
+	}
+	return n
+}
+
+// Live work that fillHistory adds beside the history, the same at every
+// size: what a busy service has in flight, and what waits for an operator.
+const (
+	historyInFlight           = 100
+	historyFailedEvents       = 20
+	historyCompensationFailed = 10
+)
+
+// fillHistory gives db, a new database, what months of traffic leave
+// behind: rows paid orders, each with its published OrderCreated and its
+// completed saga; and
+// beside them the live work, the same at every size: historyInFlight orders
+// just created (OrderCreated pending, saga in progress),
+// historyFailedEvents orders whose OrderCreated failed to publish, and
+// historyCompensationFailed sagas waiting for an operator. The saga steps
+// are left out: no gauge or benchmark here reads them, and three million
+// rows would triple the time to build the file.
+func fillHistory(tb testing.TB, db *sql.DB, rows int) {
+	tb.Helper()
+	long := formatTime(time.Now().Add(-30 * 24 * time.Hour))
+	now := formatTime(time.Now())
+	// PostgreSQL wants exactly the parameters a statement uses.
+	for _, fill := range []struct {
+		statement string
+		args      []any
+	}{
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, idempotency_key, created_at, updated_at)
+		 SELECT 'ord_hist_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa',
+		        'paid', 'hist-' || n, ?2, ?2 FROM i`, []any{rows, long}},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
+		 SELECT 'evt_hist_' || n, 'OrderCreated', 'ord_hist_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`, []any{rows, long}},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
+		 SELECT 'saga_hist_' || n, 'ord_hist_' || n, 'completed', 'confirm', ?2, ?2, ?2 FROM i`, []any{rows, long}},
+		// The live work: orders 'ord_live_1' ... in flight, then failed, then
+		// compensation_failed.
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO orders (order_id, user_id, amount_cents, currency, items, payment_method, status, idempotency_key, created_at, updated_at)
+		 SELECT 'ord_live_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'created', 'live-' || n, ?2, ?2 FROM i`,
+			[]any{historyInFlight + historyFailedEvents + historyCompensationFailed, now}},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, attempts, next_attempt_at, created_at, last_error)
+		 SELECT 'evt_live_' || n, 'OrderCreated', 'ord_live_' || n, '{}',
+		        CASE WHEN n <= ?2 THEN 'pending' WHEN n <= ?3 THEN 'failed' ELSE 'published' END,
+		        CASE WHEN n > ?2 AND n <= ?3 THEN ?4 ELSE 1 END, ?5, ?5,
+		        CASE WHEN n > ?2 AND n <= ?3 THEN 'broker unreachable' END FROM i`,
+			[]any{historyInFlight + historyFailedEvents + historyCompensationFailed, historyInFlight, historyInFlight + historyFailedEvents, maxPublishAttempts, now}},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
+		 SELECT 'saga_live_' || n, 'ord_live_' || n, CASE WHEN n > ?2 THEN 'compensation_failed' ELSE 'in_progress' END,
+		        'reserve_stock', ?3, ?3, ?3 FROM i WHERE n <= ?2 OR n > ?4`,
+			[]any{historyInFlight + historyFailedEvents + historyCompensationFailed, historyInFlight, now, historyInFlight + historyFailedEvents}},
+		// The live sagas' steps: none run yet, or (compensation_failed)
+		// the stock reserved and the charge failed.
+		{`INSERT INTO saga_steps (saga_id, step_index, step_name, status)
+		 SELECT s.saga_id, k.step_index, k.step_name,
+		        CASE WHEN s.status = 'in_progress' THEN 'pending'
+		             WHEN k.step_index = 0 THEN 'done' WHEN k.step_index = 1 THEN 'failed' ELSE 'pending' END
+		 FROM saga_instances s
+		 CROSS JOIN (SELECT 0 AS step_index, 'reserve_stock' AS step_name
+		             UNION ALL SELECT 1, 'charge_card' UNION ALL SELECT 2, 'confirm') k
+		 WHERE s.saga_id LIKE 'saga_live_%'`, nil},
+	} {
+		if _, err := db.Exec(fill.statement, fill.args...); err != nil {
+			tb.Fatalf("fill the history: %v", err)
+		}
+	}
+	// What the planner knows of the tables after a bulk load; autovacuum
+	// would do it on PostgreSQL, a while later.
+	if _, err := db.Exec(`ANALYZE`); err != nil {
+		tb.Fatalf("analyze: %v", err)
+	}
+}
+
+// historySizes returns the sizes of history the scaling benchmarks run at:
+// a thousand, ten thousand ... up to largest (benchRows), and largest.
+func historySizes(largest int) []int {
+	var sizes []int
+	for size := 1000; size < largest; size *= 10 {
+		sizes = append(sizes, size)
+	}
+	return append(sizes, largest)
 }

@@ -52,10 +52,18 @@ func invariants(d *dialect) []invariant {
 			  AND NOT EXISTS (SELECT 1 FROM orders o
 			                  WHERE o.order_id = ` + respondedOrderID + ` AND o.user_id = k.user_id)`},
 		{name: "every order has exactly one OrderCreated event", sinceRecent: true, query: `
-			SELECT o.order_id || ' has ' || COUNT(e.seq) || ' OrderCreated events'
-			FROM orders o LEFT JOIN outbox_events e ON e.aggregate_id = o.order_id AND e.event_type = 'OrderCreated'
-			GROUP BY o.order_id
-			HAVING COUNT(e.seq) > 1 OR (COUNT(e.seq) = 0 AND o.created_at >= ?)`},
+			SELECT o.order_id || ' has ' || COALESCE(c.events, 0) || ' OrderCreated events'
+			FROM orders o
+			-- Counted once per order, then joined: joined row by row, SQLite
+			-- (3.54) indexed the events by event_type only and read every
+			-- OrderCreated for every order, an audit of 20,000 orders took
+			-- 90 seconds and of a million would never end. outbox_events
+			-- has no index on aggregate_id of its own: the create path
+			-- would pay for it.
+			LEFT JOIN (SELECT aggregate_id, COUNT(*) AS events FROM outbox_events
+			           WHERE event_type = 'OrderCreated' GROUP BY aggregate_id) c
+			  ON c.aggregate_id = o.order_id
+			WHERE c.events > 1 OR (c.events IS NULL AND o.created_at >= ?)`},
 		{name: "every order announces its payment at most once", query: `
 			SELECT aggregate_id || ' has ' || COUNT(*) || ' ' || event_type || ' events'
 			FROM outbox_events WHERE event_type IN ('PaymentCaptured', 'OrderCancelled')

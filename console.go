@@ -466,7 +466,7 @@ func (s *server) consoleOutcome(ctx context.Context, results []repairResult, err
 			failed++
 		}
 	}
-	violations, err := audit(ctx, s.app.db, s.app.now(), false)
+	violations, err := s.app.auditAfterRepair(ctx)
 	switch {
 	case err != nil:
 		flash.Lines = append(flash.Lines, "The repair is committed, but the audit could not run: "+err.Error())

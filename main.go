@@ -130,7 +130,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL, stream, logFormatFlag string
+	var dbPath, addr, durabilityFlag, brokerURL, stream, metricsAddr, logFormatFlag string
 	var workers bool
 	var drill drillFlags
 	var clock chaosClockFlags
@@ -147,7 +147,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, workers, d, brokerURL, stream, drill, clock, format)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, metricsAddr, workers, d, brokerURL, stream, drill, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -158,8 +158,34 @@ func newServeCommand() *cobra.Command {
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
+	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9100")
 	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
+}
+
+// addMetricsAddrFlag adds --metrics-addr, example being an address to show
+// in its help. Empty by default, as a port nobody asked for should not be
+// open: metrics are then off, and never on the API's address, where
+// customers reach (they hold no order, but say how much business there
+// is, and every scrape reads the database); and several processes on one
+// host (serve, relay, worker, or the chaos run's serves) do not fight
+// over one default port.
+func addMetricsAddrFlag(cmd *cobra.Command, addr *string, example string) {
+	cmd.Flags().StringVar(addr, "metrics-addr", "", "serve GET /metrics on this address ("+example+"), reachable only by monitoring; empty: no metrics")
+}
+
+// listenMetrics listens on --metrics-addr addr, or returns nil if it is
+// empty. The commands call it before they touch the database, so a busy
+// port or a bad address fails before anything starts.
+func listenMetrics(addr string) (net.Listener, error) {
+	if addr == "" {
+		return nil, nil
+	}
+	listener, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen on --metrics-addr %s: %w", addr, err)
+	}
+	return listener, nil
 }
 
 // serveConfig reads the server's settings from the environment, and tells
@@ -184,7 +210,7 @@ func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSe
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
 	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
@@ -211,6 +237,13 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 		return fmt.Errorf("listen on %s: %w", addr, err)
 	}
 	defer listener.Close()
+	metricsListener, err := listenMetrics(metricsAddr)
+	if err != nil {
+		return err
+	}
+	if metricsListener != nil {
+		defer metricsListener.Close()
+	}
 	db, err := openDBWith(ctx, dbPath, d)
 	if err != nil {
 		return err
@@ -230,17 +263,25 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr string, workers bool
 	}
 	defer closeBroker()
 	app.log = logger
-	app.enableMetrics()
+	if metricsListener != nil {
+		app.enableMetrics()
+	}
 	s := &server{app: app, apiKeys: apiKeys, webhookSecret: webhookSecret, adminKey: adminKey, logger: logger}
 	httpServer := newHTTPServer(addr, s.routes())
 	durabilityName := "durability " + string(d)
 	if isPostgresURL(dbPath) {
 		durabilityName = "durability set by the server's synchronous_commit"
 	}
-	say(fmt.Sprintf("retrysafe serving http://%s (database %s, %s, %s); metrics at /metrics", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream)))
+	say(fmt.Sprintf("retrysafe serving http://%s (database %s, %s, %s)", listener.Addr(), redactURL(dbPath), durabilityName, brokerName(brokerURL, stream)))
 
 	loopCtx, stopLoops := context.WithCancel(context.Background())
 	var loops sync.WaitGroup
+	if metricsListener != nil {
+		// Stopped with the loops, after the last request: a scrape during
+		// shutdown still answers.
+		serveMetrics(loopCtx, &loops, metricsListener, app, logger)
+		logger.Info("serving metrics", "url", "http://"+metricsListener.Addr().String()+"/metrics")
+	}
 	if workers {
 		startRelayLoop(loopCtx, &loops, app, workerName("serve"), logger)
 		startWorkerLoops(loopCtx, &loops, app, workerName("serve"), logger)
@@ -298,7 +339,7 @@ func newLoopCommand(role, short string,
 	addBrokerFlags(cmd, &brokerURL, &stream)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
-	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve GET /metrics on this address (127.0.0.1:9101); empty: no metrics")
+	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9101")
 	addLogFormatFlag(cmd, &logFormatFlag)
 	return cmd
 }
@@ -317,15 +358,12 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	logger := newLogger(out, format, nil)
-	var metricsListener net.Listener
-	if metricsAddr != "" {
-		// As serve does: a busy port fails before anything starts.
-		listener, err := net.Listen("tcp", metricsAddr)
-		if err != nil {
-			return fmt.Errorf("listen on --metrics-addr %s: %w", metricsAddr, err)
-		}
-		defer listener.Close()
-		metricsListener = listener
+	metricsListener, err := listenMetrics(metricsAddr)
+	if err != nil {
+		return err
+	}
+	if metricsListener != nil {
+		defer metricsListener.Close()
 	}
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.

@@ -5,14 +5,20 @@
 // an alert.
 //
 // Two kinds of numbers, on purpose:
-//   - what describes the database (the outbox backlog and its oldest event,
-//     failed events, sagas by state) is read from the database at scrape
-//     time (dbCollector), so every process reports the same true number
-//     however many relays and workers share the database;
+//   - what describes the work in flight or waiting for an operator (the
+//     outbox backlog and its oldest event, failed events, sagas not ended)
+//     is read from the database at scrape time (dbCollector), so every
+//     process reports the same true number however many relays and
+//     workers share the database; each is read through a partial index
+//     that holds only those rows, so a scrape costs the same whatever the
+//     history;
 //   - what describes actions (publishes, deliveries, inbox outcomes,
-//     compensations, processor calls, replays, request latencies) is
-//     counted by the process that did them, where it did them; Prometheus
-//     adds the processes up.
+//     compensations, sagas ended, processor calls, replays, request
+//     latencies) is counted by the process that did them, where it did
+//     them; Prometheus adds the processes up. A count of the sagas that
+//     ended is such a counter, not a gauge: counted in the database it
+//     would read a table that grows for ever, and kept in a row it would
+//     cost every saga a write to one hot row.
 //
 // An App without metrics has a nil *metrics, and every method below is a
 // no-op on nil: the benchmarks and tests that do not ask for metrics pay
@@ -22,6 +28,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"io"
 	"log/slog"
@@ -54,6 +61,7 @@ type metrics struct {
 	redeliveries         *prometheus.CounterVec
 	inboxMessages        *prometheus.CounterVec
 	compensations        *prometheus.CounterVec
+	sagasEnded           *prometheus.CounterVec
 	processorCalls       *prometheus.CounterVec
 	processorKeyHits     *prometheus.CounterVec
 	idempotentReplays    *prometheus.CounterVec
@@ -109,6 +117,10 @@ func newMetrics(database prometheus.Collector) *metrics {
 			Name: "retrysafe_saga_compensations_total",
 			Help: "Saga steps this process undid (compensated), by step.",
 		}, []string{"step"}),
+		sagasEnded: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "retrysafe_sagas_ended_total",
+			Help: "Fulfilment sagas this process ended, by final state: completed, or compensated (every step undone).",
+		}, []string{"state"}),
 		processorCalls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "retrysafe_processor_calls_total",
 			Help: "Calls this process made to the card processor, by operation (charge, refund).",
@@ -136,6 +148,9 @@ func newMetrics(database prometheus.Collector) *metrics {
 	}
 	m.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.registry.MustRegister(m.collectors(database)...)
+	for _, state := range []sagaStatus{sagaCompleted, sagaCompensated} {
+		m.sagasEnded.WithLabelValues(string(state))
+	}
 	for _, operation := range []string{processorCharge, processorRefund} {
 		m.processorCalls.WithLabelValues(operation)
 		m.processorKeyHits.WithLabelValues(operation)
@@ -150,7 +165,7 @@ func (m *metrics) collectors(database prometheus.Collector) []prometheus.Collect
 		database,
 		m.outboxPublishes, m.outboxPublishRetries,
 		m.deliveries, m.redeliveries, m.inboxMessages,
-		m.compensations, m.processorCalls, m.processorKeyHits,
+		m.compensations, m.sagasEnded, m.processorCalls, m.processorKeyHits,
 		m.idempotentReplays, m.requestDuration, m.orderCompletion,
 	}
 }
@@ -222,6 +237,14 @@ func (m *metrics) compensated(step string) {
 		return
 	}
 	m.compensations.WithLabelValues(step).Inc()
+}
+
+// sagaEnded counts one saga this process ended, in state.
+func (m *metrics) sagaEnded(state sagaStatus) {
+	if m == nil {
+		return
+	}
+	m.sagasEnded.WithLabelValues(string(state)).Inc()
 }
 
 // processorCalled counts a call to the processor, and whether the
@@ -328,8 +351,32 @@ func (a *App) observeFinalStates(ctx context.Context, c consumer, deliveries []d
 	}
 }
 
+// The queries a scrape makes. Each reads a partial index (schema.sql,
+// version 6) that holds only the rows waiting for work or for an
+// operator, never the history: a scrape costs the same on the first day
+// and after a million orders. TestMetricsScrapeReadsOnlyLiveRows checks
+// their plans on both databases.
+const (
+	// outbox_events_pending, which the relay's claim reads too.
+	scrapeOutboxPending = `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`
+	// outbox_events_pending_since: the oldest is the index's first entry.
+	scrapeOutboxOldestPending = `SELECT MIN(created_at) FROM outbox_events WHERE status = 'pending'`
+	// outbox_events_failed.
+	scrapeOutboxFailed = `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`
+	// saga_instances_runnable, which the saga loop's claim reads too. The
+	// condition is the index's own, word for word: SQLite uses a partial
+	// index only for a query that says what the index says.
+	scrapeSagasRunning = `SELECT status, COUNT(*) FROM saga_instances
+		WHERE status IN ('in_progress', 'compensating') GROUP BY status`
+	// saga_instances_compensation_failed.
+	scrapeSagasCompensationFailed = `SELECT COUNT(*) FROM saga_instances WHERE status = 'compensation_failed'`
+)
+
 // dbCollector reads the gauges that describe the database at scrape time:
-// each scrape, from any process, reports what the database holds now.
+// each scrape, from any process, reports what the database holds now. It
+// reads only what is bounded by the work in flight and the work waiting
+// for an operator; the sagas that ended, a number that grows for ever, are
+// counted by the processes that ended them (sagasEnded).
 type dbCollector struct {
 	db  queryer
 	now func() time.Time
@@ -350,7 +397,7 @@ func newDBCollector(db queryer, now func() time.Time) *dbCollector {
 		outboxFailed: prometheus.NewDesc("retrysafe_outbox_failed_events",
 			"Outbox events marked failed after their last publish attempt, each holding back its order's later events until an operator acts; read from the database.", nil, nil),
 		sagas: prometheus.NewDesc("retrysafe_sagas",
-			"Fulfilment sagas by state, read from the database.", []string{"state"}, nil),
+			"Fulfilment sagas not ended, by state (in_progress, compensating, compensation_failed), read from the database.", []string{"state"}, nil),
 	}
 }
 
@@ -362,10 +409,9 @@ func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.sagas
 }
 
-// Collect reads the gauges: one query for the outbox's three, one for the
-// sagas, each within metricsQueryTimeout. A query that fails sends an
-// invalid metric in place of its gauges, which the handler logs and leaves
-// out.
+// Collect reads the gauges: the outbox's three, then the sagas, each group
+// within metricsQueryTimeout. A query that fails sends an invalid metric in
+// place of its group's gauges, which the handler logs and leaves out.
 func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), metricsQueryTimeout)
 	defer cancel()
@@ -382,45 +428,26 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 }
 
 // collectOutbox sends the backlog, its oldest event's age and the failed
-// events. It reads the partial index of unpublished events: the backlog,
-// not the table's history.
+// events.
 func (c *dbCollector) collectOutbox(ctx context.Context, ch chan<- prometheus.Metric) error {
-	rows, err := c.db.QueryContext(ctx, `
-		SELECT status, COUNT(*), MIN(created_at) FROM outbox_events
-		-- The index's own condition, word for word: SQLite's planner does
-		-- not see that status IN ('pending', 'failed') implies it, and
-		-- would scan the table.
-		WHERE status <> 'published'
-		GROUP BY status`)
-	if err != nil {
-		return fmt.Errorf("count unpublished outbox events: %w", err)
-	}
-	defer rows.Close()
 	var pending, failed int64
-	oldestAge := 0.0
-	for rows.Next() {
-		var status outboxStatus
-		var count int64
-		var oldest string
-		if err := rows.Scan(&status, &count, &oldest); err != nil {
-			return fmt.Errorf("scan outbox counts: %w", err)
-		}
-		switch status {
-		case outboxPending:
-			pending = count
-			created, err := time.Parse(timeFormat, oldest)
-			if err != nil {
-				return fmt.Errorf("oldest pending outbox event: %w", err)
-			}
-			oldestAge = max(c.now().Sub(created).Seconds(), 0)
-		case outboxFailed:
-			failed = count
-		default:
-			return fmt.Errorf("bug: unhandled outbox status %q", status)
-		}
+	if err := c.db.QueryRowContext(ctx, scrapeOutboxPending).Scan(&pending); err != nil {
+		return fmt.Errorf("count pending outbox events: %w", err)
 	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("count unpublished outbox events: %w", err)
+	var oldest sql.NullString
+	if err := c.db.QueryRowContext(ctx, scrapeOutboxOldestPending).Scan(&oldest); err != nil {
+		return fmt.Errorf("read oldest pending outbox event: %w", err)
+	}
+	if err := c.db.QueryRowContext(ctx, scrapeOutboxFailed).Scan(&failed); err != nil {
+		return fmt.Errorf("count failed outbox events: %w", err)
+	}
+	oldestAge := 0.0
+	if oldest.Valid {
+		created, err := time.Parse(timeFormat, oldest.String)
+		if err != nil {
+			return fmt.Errorf("oldest pending outbox event: %w", err)
+		}
+		oldestAge = max(c.now().Sub(created).Seconds(), 0)
 	}
 	ch <- prometheus.MustNewConstMetric(c.outboxPending, prometheus.GaugeValue, float64(pending))
 	ch <- prometheus.MustNewConstMetric(c.outboxOldestPending, prometheus.GaugeValue, oldestAge)
@@ -428,16 +455,11 @@ func (c *dbCollector) collectOutbox(ctx context.Context, ch chan<- prometheus.Me
 	return nil
 }
 
-// collectSagas sends the number of sagas in each state, zero included. It
-// scans saga_instances, which keeps every saga: the one gauge whose cost
-// grows with the history (a count of a million rows takes tens of
-// milliseconds).
+// collectSagas sends the number of sagas in each state that has not ended,
+// zero included.
 func (c *dbCollector) collectSagas(ctx context.Context, ch chan<- prometheus.Metric) error {
-	counts := map[sagaStatus]int64{}
-	for _, status := range []sagaStatus{sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed} {
-		counts[status] = 0
-	}
-	rows, err := c.db.QueryContext(ctx, `SELECT status, COUNT(*) FROM saga_instances GROUP BY status`)
+	counts := map[sagaStatus]int64{sagaInProgress: 0, sagaCompensating: 0}
+	rows, err := c.db.QueryContext(ctx, scrapeSagasRunning)
 	if err != nil {
 		return fmt.Errorf("count sagas by state: %w", err)
 	}
@@ -456,6 +478,11 @@ func (c *dbCollector) collectSagas(ctx context.Context, ch chan<- prometheus.Met
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("count sagas by state: %w", err)
 	}
+	var compensationFailed int64
+	if err := c.db.QueryRowContext(ctx, scrapeSagasCompensationFailed).Scan(&compensationFailed); err != nil {
+		return fmt.Errorf("count sagas by state: %w", err)
+	}
+	counts[sagaCompensationFailed] = compensationFailed
 	for status, count := range counts {
 		ch <- prometheus.MustNewConstMetric(c.sagas, prometheus.GaugeValue, float64(count), string(status))
 	}
@@ -507,8 +534,8 @@ func notice(out io.Writer, logger *slog.Logger, format logFormat, message string
 	fmt.Fprintln(out, message)
 }
 
-// serveMetrics serves GET /metrics of app on listener, for relay's and
-// worker's --metrics-addr. Its goroutine exits when ctx is done, after
+// serveMetrics serves GET /metrics of app on listener, for --metrics-addr:
+// an address of its own, never the API's. Its goroutine exits when ctx is done, after
 // closing the server, or when the server fails (logged).
 func serveMetrics(ctx context.Context, wg *sync.WaitGroup, listener net.Listener, app *App, logger *slog.Logger) {
 	mux := http.NewServeMux()

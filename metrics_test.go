@@ -185,7 +185,7 @@ func TestMetrics(t *testing.T) {
 
 		// The backlog, and its oldest event's age, before the relay runs.
 		env.clock.advance(90 * time.Second)
-		families := scrape(t, ts.URL+"/metrics")
+		families := gather(t, env.app.metrics)
 		oldest, err := time.Parse(timeFormat, env.str(t, `SELECT MIN(created_at) FROM outbox_events WHERE status = 'pending'`))
 		if err != nil {
 			t.Fatal(err)
@@ -221,7 +221,7 @@ func TestMetrics(t *testing.T) {
 			t.Fatalf("GET of a missing order: %d", missing.Status)
 		}
 
-		families = scrape(t, ts.URL+"/metrics")
+		families = gather(t, env.app.metrics)
 		checks := []metricCheck{
 			{"retrysafe_outbox_pending_events", nil, float64(env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`))},
 			{"retrysafe_outbox_oldest_pending_age_seconds", nil, 0},
@@ -248,8 +248,13 @@ func TestMetrics(t *testing.T) {
 			{"retrysafe_order_completion_seconds", []string{"status", "cancelled"}, float64(env.count(t, `
 				SELECT COUNT(*) FROM orders WHERE status = 'cancelled'`))},
 		}
-		for _, state := range []sagaStatus{sagaInProgress, sagaCompensating, sagaCompleted, sagaCompensated, sagaCompensationFailed} {
+		for _, state := range []sagaStatus{sagaInProgress, sagaCompensating, sagaCompensationFailed} {
 			checks = append(checks, metricCheck{"retrysafe_sagas", []string{"state", string(state)},
+				float64(env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE status = ?`, state))})
+		}
+		// This App ended every saga there is.
+		for _, state := range []sagaStatus{sagaCompleted, sagaCompensated} {
+			checks = append(checks, metricCheck{"retrysafe_sagas_ended_total", []string{"state", string(state)},
 				float64(env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE status = ?`, state))})
 		}
 		for _, c := range env.app.consumers() {
@@ -277,7 +282,8 @@ func TestMetrics(t *testing.T) {
 			{"retrysafe_broker_redeliveries_total", []string{"consumer", paymentServiceConsumer}, 1},
 			{"retrysafe_inbox_messages_total", []string{"consumer", paymentServiceConsumer, "outcome", "duplicate"}, 1},
 			{"retrysafe_inbox_messages_total", []string{"consumer", paymentServiceConsumer, "outcome", "poison"}, 1},
-			{"retrysafe_sagas", []string{"state", string(sagaCompensated)}, 1},
+			{"retrysafe_sagas_ended_total", []string{"state", string(sagaCompensated)}, 1},
+			{"retrysafe_sagas_ended_total", []string{"state", string(sagaCompleted)}, 2},
 			{"retrysafe_order_completion_seconds", []string{"status", "paid"}, 2},
 			{"retrysafe_order_completion_seconds", []string{"status", "cancelled"}, 1},
 		} {
@@ -349,20 +355,27 @@ func TestMetrics(t *testing.T) {
 		if _, ok := sample(families, "retrysafe_outbox_pending_events"); ok {
 			t.Error("a gauge whose query failed was served")
 		}
-		for _, want := range []string{"count unpublished outbox events", "count sagas by state", "database is closed"} {
+		for _, want := range []string{"count pending outbox events", "count sagas by state", "database is closed"} {
 			if !strings.Contains(log.String(), want) {
 				t.Errorf("the log does not say %q:\n%s", want, log.String())
 			}
 		}
 	})
 
-	// Ensure an App without metrics serves no /metrics.
-	t.Run("OffServesNothing", func(t *testing.T) {
-		env := MustOpenApp(t)
-		ts := newTestServer(t, env)
-		got := call(t, ts, "GET", "/metrics", "", "", "")
-		if got.Status != 404 || got.Header.Get("Content-Type") != "application/problem+json" {
-			t.Fatalf("got %d %s, want a 404 problem", got.Status, got.Header.Get("Content-Type"))
+	// Ensure the API never serves /metrics, with metrics on or off: they
+	// are served on --metrics-addr, an address of their own, out of
+	// customers' reach.
+	t.Run("NeverOnTheAPIAddress", func(t *testing.T) {
+		for _, on := range []bool{false, true} {
+			env := MustOpenApp(t)
+			if on {
+				env.app.enableMetrics()
+			}
+			ts := newTestServer(t, env)
+			got := call(t, ts, "GET", "/metrics", "", "", "")
+			if got.Status != 404 || got.Header.Get("Content-Type") != "application/problem+json" {
+				t.Fatalf("metrics on: %v; got %d %s, want a 404 problem", on, got.Status, got.Header.Get("Content-Type"))
+			}
 		}
 	})
 
@@ -376,6 +389,82 @@ func TestMetrics(t *testing.T) {
 			t.Fatalf("the second App counts %v publishes of the first", got)
 		}
 	})
+}
+
+// Ensure every query a scrape makes reads one of the partial indexes that
+// hold only the rows waiting for work or for an operator, never a table
+// nor a whole index: on a database with a history beside its live work
+// (fillHistory), by SQLite's query plan, or by PostgreSQL's EXPLAIN with
+// sequential scans priced out (on tables this small it would rather scan,
+// and should; the question is whether it could do otherwise).
+func TestMetricsScrapeReadsOnlyLiveRows(t *testing.T) {
+	env := MustOpenApp(t)
+	fillHistory(t, env.app.db, 1000)
+	live := []string{"outbox_events_unpublished", "outbox_events_pending", "outbox_events_pending_since", "outbox_events_failed",
+		"saga_instances_runnable", "saga_instances_compensation_failed"}
+	readsLiveIndex := func(line string) bool {
+		for _, index := range live {
+			if regexp.MustCompile(`INDEX ` + index + `\b|using ` + index + `\b|Index Scan on ` + index + `\b`).MatchString(line) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, query := range []string{scrapeOutboxPending, scrapeOutboxOldestPending, scrapeOutboxFailed,
+		scrapeSagasRunning, scrapeSagasCompensationFailed} {
+		plan := explain(t, env.app.db, query)
+		for _, line := range plan {
+			reads := regexp.MustCompile(`^(SCAN|SEARCH) |Scan `).MatchString(line)
+			heap := strings.Contains(line, "Bitmap Heap Scan")
+			if reads && !heap && !readsLiveIndex(line) {
+				t.Errorf("%s\nreads more than the live rows:\n%s", query, strings.Join(plan, "\n"))
+				break
+			}
+		}
+	}
+}
+
+// explain returns the lines of db's plan for query: SQLite's EXPLAIN QUERY
+// PLAN, or PostgreSQL's EXPLAIN with enable_seqscan off.
+func explain(tb testing.TB, db *sql.DB, query string) []string {
+	tb.Helper()
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	// It only reads, and SET LOCAL ends with it.
+	defer tx.Rollback()
+	sqlite := dialectOf(db).name == "sqlite"
+	statement := "EXPLAIN " + query
+	if sqlite {
+		statement = "EXPLAIN QUERY PLAN " + query
+	} else if _, err := tx.ExecContext(ctx, `SET LOCAL enable_seqscan = off`); err != nil {
+		tb.Fatal(err)
+	}
+	rows, err := tx.QueryContext(ctx, statement)
+	if err != nil {
+		tb.Fatalf("%s: %v", statement, err)
+	}
+	defer rows.Close()
+	var plan []string
+	for rows.Next() {
+		var line string
+		if sqlite {
+			var id, parent, unused int
+			err = rows.Scan(&id, &parent, &unused, &line)
+		} else {
+			err = rows.Scan(&line)
+		}
+		if err != nil {
+			tb.Fatal(err)
+		}
+		plan = append(plan, strings.TrimSpace(line))
+	}
+	if err := rows.Err(); err != nil {
+		tb.Fatal(err)
+	}
+	return plan
 }
 
 // gather returns m's metric families as a scrape would.
@@ -558,8 +647,9 @@ func TestProcessesLogJSONAndServeMetrics(t *testing.T) {
 		})
 		return url
 	}
-	serveProcess := start("serve", "serve", "--db", target, "--addr", "127.0.0.1:0", "--workers=false", "--log-format", "json")
+	serveProcess := start("serve", "serve", "--db", target, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--workers=false", "--log-format", "json")
 	base := urlIn(serveProcess, `retrysafe serving (http://[0-9.:]+)`)
+	serveMetrics := urlIn(serveProcess, `"url":"(http://[0-9.:]+/metrics)"`)
 	relay := start("relay", "relay", "--db", target, "--metrics-addr", "127.0.0.1:0", "--log-format", "json")
 	worker := start("worker", "worker", "--db", target, "--metrics-addr", "127.0.0.1:0", "--log-format", "json")
 	relayMetrics := urlIn(relay, `"url":"(http://[0-9.:]+/metrics)"`)
@@ -615,15 +705,21 @@ func TestProcessesLogJSONAndServeMetrics(t *testing.T) {
 	}
 	gauges := []metricCheck{
 		{"retrysafe_outbox_pending_events", nil, 0},
-		{"retrysafe_sagas", []string{"state", string(sagaCompleted)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'`)},
-		{"retrysafe_sagas", []string{"state", string(sagaCompensated)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'`)},
+		{"retrysafe_sagas", []string{"state", string(sagaInProgress)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'in_progress'`)},
+		{"retrysafe_sagas", []string{"state", string(sagaCompensationFailed)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'compensation_failed'`)},
 	}
-	for _, url := range []string{base + "/metrics", relayMetrics, workerMetrics} {
+	for _, url := range []string{serveMetrics, relayMetrics, workerMetrics} {
 		checkMetrics(t, scrape(t, url), gauges)
 	}
-	checkMetrics(t, scrape(t, base+"/metrics"), []metricCheck{
+	if resp, err := client.Get(base + "/metrics"); err != nil || resp.StatusCode != http.StatusNotFound {
+		t.Errorf("serve's API address answers GET /metrics with %v %v, want 404: metrics are on --metrics-addr only", resp.Status, err)
+	} else {
+		resp.Body.Close()
+	}
+	checkMetrics(t, scrape(t, serveMetrics), []metricCheck{
 		{"retrysafe_http_request_duration_seconds", []string{"route", "POST /api/orders", "status_class", "2xx"}, 2},
 		{"retrysafe_outbox_publishes_total", nil, 0},
+		{"retrysafe_sagas_ended_total", []string{"state", string(sagaCompleted)}, 0},
 	})
 	checkMetrics(t, scrape(t, relayMetrics), []metricCheck{
 		{"retrysafe_outbox_publishes_total", nil, count(`SELECT COUNT(*) FROM outbox_events WHERE status = 'published'`)},
@@ -631,6 +727,9 @@ func TestProcessesLogJSONAndServeMetrics(t *testing.T) {
 	})
 	checkMetrics(t, scrape(t, workerMetrics), []metricCheck{
 		{"retrysafe_outbox_publishes_total", nil, 0},
+		// The worker ended both sagas: the counters are its own.
+		{"retrysafe_sagas_ended_total", []string{"state", string(sagaCompleted)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'`)},
+		{"retrysafe_sagas_ended_total", []string{"state", string(sagaCompensated)}, count(`SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'`)},
 		{"retrysafe_inbox_messages_total", []string{"consumer", paymentServiceConsumer, "outcome", "applied"}, 2},
 		{"retrysafe_inbox_messages_total", []string{"consumer", orderServiceConsumer, "outcome", "applied"}, 2},
 		{"retrysafe_saga_compensations_total", []string{"step", stepReserveStock}, 1},
@@ -689,6 +788,7 @@ func TestLogAndMetricsFlagsFailClearly(t *testing.T) {
 		{[]string{"worker", "--db", existing, "--log-format", ""}, `--log-format "": want text or json`},
 		{[]string{"demo", "--trace", "--log-format", "yaml"}, `--log-format "yaml": want text or json`},
 		{[]string{"relay", "--db", existing, "--metrics-addr", "not an address"}, "listen on --metrics-addr not an address"},
+		{[]string{"serve", "--db", fresh, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:99999"}, "listen on --metrics-addr 127.0.0.1:99999"},
 		{[]string{"worker", "--db", fresh, "--metrics-addr", "127.0.0.1:99999"}, "listen on --metrics-addr 127.0.0.1:99999"},
 	} {
 		out, err := runArgs(tt.args...)
@@ -790,5 +890,33 @@ func TestREADMEMetricsAndLogs(t *testing.T) {
 	}
 	if !slices.Contains(strings.Split(out, "\n"), example) {
 		t.Errorf("the demo prints no line\n%s\nit prints:\n%s", example, out)
+	}
+}
+
+// BenchmarkMetricsScrape is one read of the database gauges, what every
+// scrape of /metrics asks of the database, on databases whose history
+// grows from a thousand sagas (and as many orders and events) to a million
+// (RETRYSAFE_BENCH_ROWS caps it), each with the same live work beside it
+// (fillHistory). The time must stay flat: Prometheus scrapes every few
+// seconds from every process, for ever.
+func BenchmarkMetricsScrape(b *testing.B) {
+	for _, rows := range historySizes(benchRows(b)) {
+		b.Run("sagas-"+strconv.Itoa(rows), func(b *testing.B) {
+			app := benchApp(b, durabilityNormal)
+			fillHistory(b, app.db, rows)
+			registry := prometheus.NewRegistry()
+			registry.MustRegister(newDBCollector(app.readDB, app.now))
+			for b.Loop() {
+				families, err := registry.Gather()
+				if err != nil {
+					b.Fatal(err)
+				}
+				for _, family := range families {
+					if family.GetName() == "retrysafe_outbox_failed_events" && family.GetMetric()[0].GetGauge().GetValue() != historyFailedEvents {
+						b.Fatalf("%v failed events, want %d", family.GetMetric()[0].GetGauge().GetValue(), historyFailedEvents)
+					}
+				}
+			}
+		})
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -21,34 +22,37 @@ func TestOperateDrill(t *testing.T) {
 	client := &http.Client{Timeout: 30 * time.Second}
 
 	// start runs serve until the returned function stops it, and returns
-	// its address.
-	start := func(args ...string) (string, func()) {
+	// its address and its metrics' URL.
+	metricsURL := regexp.MustCompile(`url=(http://\S+/metrics)`)
+	start := func(args ...string) (string, string, func()) {
 		ctx, stop := context.WithCancel(context.Background())
 		out := newLineRecorder()
 		exited := make(chan error, 1)
 		go func() {
-			exited <- run(ctx, append([]string{"serve", "--db", target, "--addr", "127.0.0.1:0", "--lease-scale", "0.01"}, args...), strings.NewReader(""), out, out)
+			exited <- run(ctx, append([]string{"serve", "--db", target, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--lease-scale", "0.01"}, args...), strings.NewReader(""), out, out)
 		}()
-		var base string
-		out.waitFor(t, "serve's address", func(lines []string) bool {
+		var base, metrics string
+		out.waitFor(t, "serve's address and its metrics'", func(lines []string) bool {
 			for _, line := range lines {
 				if _, rest, ok := strings.Cut(line, "retrysafe serving "); ok {
 					base, _, _ = strings.Cut(rest, " ")
-					return true
+				}
+				if found := metricsURL.FindStringSubmatch(line); found != nil {
+					metrics = found[1]
 				}
 			}
-			return false
+			return base != "" && metrics != ""
 		})
-		return base, func() {
+		return base, metrics, func() {
 			stop()
 			if err := <-exited; err != nil {
 				t.Errorf("serve: %v\n%s", err, strings.Join(out.snapshot(), "\n"))
 			}
 		}
 	}
-	gauge := func(base, name string) float64 {
+	gauge := func(metrics, name string) float64 {
 		t.Helper()
-		value, ok := sample(scrape(t, base+"/metrics"), name)
+		value, ok := sample(scrape(t, metrics), name)
 		if !ok {
 			t.Fatalf("/metrics has no %s", name)
 		}
@@ -65,7 +69,7 @@ func TestOperateDrill(t *testing.T) {
 		}
 	}
 
-	base, stop := start("--broker-down")
+	base, metrics, stop := start("--broker-down")
 	req, err := http.NewRequest("POST", base+"/api/orders", strings.NewReader(orderBody(5000, "sku-1", 1, pmCardVisa)))
 	if err != nil {
 		t.Fatal(err)
@@ -83,16 +87,16 @@ func TestOperateDrill(t *testing.T) {
 		t.Fatalf("create: %d %s %v", resp.StatusCode, body, err)
 	}
 	orderID := orderField(body, "order_id")
-	if pending := gauge(base, "retrysafe_outbox_pending_events"); pending != 1 {
+	if pending := gauge(metrics, "retrysafe_outbox_pending_events"); pending != 1 {
 		t.Fatalf("with the broker down, %v events pending; want the order's 1", pending)
 	}
-	waitFor("the event to fail", func() bool { return gauge(base, "retrysafe_outbox_failed_events") == 1 })
+	waitFor("the event to fail", func() bool { return gauge(metrics, "retrysafe_outbox_failed_events") == 1 })
 	if out, err := runArgs("check", "--db", target, "--in-flight"); err == nil || !strings.Contains(out, failedEventsInvariant) || !strings.Contains(out, orderID) {
 		t.Fatalf("check with a failed event: %v\n%s", err, out)
 	}
 	stop()
 
-	base, stop = start()
+	_, metrics, stop = start()
 	defer stop()
 	db, err := openReadOnlyDB(context.Background(), target)
 	if err != nil {
@@ -105,9 +109,9 @@ func TestOperateDrill(t *testing.T) {
 	waitFor("the backlog to drain and the order to be paid", func() bool {
 		var status string
 		err := db.QueryRowContext(context.Background(), `SELECT status FROM orders WHERE order_id = ?`, orderID).Scan(&status)
-		return err == nil && status == string(orderPaid) && gauge(base, "retrysafe_outbox_pending_events") == 0
+		return err == nil && status == string(orderPaid) && gauge(metrics, "retrysafe_outbox_pending_events") == 0
 	})
-	if failed := gauge(base, "retrysafe_outbox_failed_events"); failed != 0 {
+	if failed := gauge(metrics, "retrysafe_outbox_failed_events"); failed != 0 {
 		t.Fatalf("%v failed events after the retry; want 0", failed)
 	}
 	if out, err := runArgs("check", "--db", target); err != nil {

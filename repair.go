@@ -744,11 +744,36 @@ func runRepair(cmd *cobra.Command, dbPath, brokerURL, stream string, repair func
 	return nil
 }
 
-// printRepairAudit runs and prints the audit of `retrysafe check
-// --in-flight`: the system is not quiet right after a repair (the event it
+// auditAfterRepair runs the audit of `retrysafe check --in-flight` that
+// follows every repair (the commands, /admin, the console) and returns its
+// violations: the system is not quiet right after a repair (the event it
 // put back is pending), so the settled invariants cannot hold yet.
+//
+// It reads on the read connections (readDB), never on the write
+// connection: the audit reads every table, seconds of work on a million
+// orders, and on SQLite a process has one write connection, so an audit
+// there would stop every create and every background write of serve for
+// as long as it read. It stays the whole audit, not one scoped to the rows
+// repaired: the question after a repair is what else still needs a look
+// (another failed event, the poison message behind it), and the repaired
+// row's own state is what the repair's transaction just checked. One at a
+// time per process: repairs pressed in a row, or a script over /admin,
+// take one read connection at most, and the others stay with GETs and
+// replays.
+func (a *App) auditAfterRepair(ctx context.Context) ([]violation, error) {
+	select {
+	case a.repairAudits <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { <-a.repairAudits }()
+	return audit(ctx, a.readDB, a.now(), false)
+}
+
+// printRepairAudit runs and prints the audit after a repair
+// (auditAfterRepair).
 func printRepairAudit(ctx context.Context, w io.Writer, app *App) error {
-	violations, err := audit(ctx, app.db, app.now(), false)
+	violations, err := app.auditAfterRepair(ctx)
 	if err != nil {
 		return err
 	}
@@ -1163,7 +1188,7 @@ func (s *server) writeRepair(w http.ResponseWriter, r *http.Request, results []r
 		writeProblem(w, problem{Type: problemInternal, Title: "Internal error", Status: http.StatusInternalServerError, Detail: err.Error()})
 		return
 	}
-	violations, err := audit(r.Context(), s.app.db, s.app.now(), false)
+	violations, err := s.app.auditAfterRepair(r.Context())
 	if err != nil {
 		s.writeRepair(w, r, nil, fmt.Errorf("audit after the repair: %w", err))
 		return

@@ -15,8 +15,11 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -1082,5 +1085,236 @@ func mustRefuseCommand(t *testing.T, args []string, want string) {
 	out, err := runTraceCLI(t, args...)
 	if err == nil || !strings.Contains(out, want) {
 		t.Fatalf("%v: got %v\n%s\nwant an error naming %q", args, err, out, want)
+	}
+}
+
+// besideRepairsWindow is how long BenchmarkCreatesBesideRepairs sends
+// creates in each of its runs: long enough to span an audit of a large
+// database, which the repairs beside them run one after another.
+const besideRepairsWindow = 20 * time.Second
+
+// BenchmarkCreatesBesideRepairs is fresh creates over loopback HTTP from 8
+// clients, for besideRepairsWindow, on a database with a long history
+// (fillHistory: a million orders, events and sagas, or
+// RETRYSAFE_BENCH_ROWS): alone, and while an operator retries a failed
+// outbox event through /admin again and again, each repair answered with
+// the audit after it. Beside orders/s it reports the slowest create and
+// the 99th percentile, which show whether a repair stalls the creates,
+// and the repairs made and how long each took, audit included (the last
+// one is waited for after the window).
+func BenchmarkCreatesBesideRepairs(b *testing.B) {
+	app := benchApp(b, durabilityNormal)
+	fillHistory(b, app.db, benchRows(b))
+	s := &server{app: app, apiKeys: map[string]string{keyUser42: "user-42"}, webhookSecret: []byte(testWebhookSecret),
+		adminKey: testAdminKey, logger: discardLogger()}
+	ts := httptest.NewServer(s.routes())
+	b.Cleanup(ts.Close)
+	body := orderBody(5000, "sku-1", 2, pmCardVisa)
+	for _, repairing := range []bool{false, true} {
+		name := "alone"
+		if repairing {
+			name = "repairing"
+		}
+		b.Run(name, func(b *testing.B) {
+			client := benchClient(8)
+			prefix := "beside-" + name + "-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+			var latencies []time.Duration
+			var repairs, repairTime atomic.Int64
+			for b.Loop() {
+				stop, repaired := make(chan struct{}), make(chan error, 1)
+				if repairing {
+					go func() { repaired <- repairUntil(stop, app, ts, &repairs, &repairTime) }()
+				} else {
+					repaired <- nil
+				}
+				var mu sync.Mutex
+				var next atomic.Int64
+				var wg sync.WaitGroup
+				deadline := time.Now().Add(besideRepairsWindow)
+				for range 8 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						for time.Now().Before(deadline) {
+							start := time.Now()
+							status, answer, err := postOrder(client, ts.URL, prefix+strconv.FormatInt(next.Add(1), 10), body)
+							if err != nil || status != http.StatusCreated {
+								b.Errorf("create: %d %s %v; want 201", status, answer, err)
+								return
+							}
+							mu.Lock()
+							latencies = append(latencies, time.Since(start))
+							mu.Unlock()
+						}
+					}()
+				}
+				wg.Wait()
+				close(stop)
+				b.StopTimer()
+				if err := <-repaired; err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(len(latencies))/b.Elapsed().Seconds(), "orders/s")
+			slices.Sort(latencies)
+			b.ReportMetric(float64(latencies[len(latencies)*99/100].Microseconds())/1000, "p99-ms")
+			b.ReportMetric(float64(latencies[len(latencies)-1].Microseconds())/1000, "max-ms")
+			if n := repairs.Load(); n > 0 {
+				b.ReportMetric(float64(n), "repairs")
+				b.ReportMetric(float64(time.Duration(repairTime.Load()).Milliseconds())/float64(n), "ms/repair")
+			}
+		})
+	}
+}
+
+// repairUntil makes one of fillHistory's failed events fail again (as the
+// relay would) and retries it through POST /admin/outbox/{id}/retry, over
+// and over until stop is closed, counting the repairs and the time they
+// took (the audit after each included).
+func repairUntil(stop <-chan struct{}, app *App, ts *httptest.Server, repairs, took *atomic.Int64) error {
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return nil
+		default:
+		}
+		eventID := fmt.Sprintf("evt_live_%d", historyInFlight+1+i%historyFailedEvents)
+		if _, err := app.db.Exec(`UPDATE outbox_events SET status = 'failed' WHERE event_id = ?`, eventID); err != nil {
+			return err
+		}
+		req, err := http.NewRequest("POST", ts.URL+"/admin/outbox/"+eventID+"/retry", nil)
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Authorization", "Bearer "+testAdminKey)
+		start := time.Now()
+		resp, err := ts.Client().Do(req)
+		if err != nil {
+			return err
+		}
+		answer, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("retry %s: %d %s", eventID, resp.StatusCode, answer)
+		}
+		took.Add(int64(time.Since(start)))
+		repairs.Add(1)
+	}
+}
+
+// Ensure the audit after a repair, from /admin and from the console, reads
+// on the read connections and leaves the one write connection to the
+// creates: with every read connection held, the repair commits and its
+// answer waits, while a write goes through beside it. (On PostgreSQL,
+// reads and writes share one pool: there is nothing to tell apart.)
+func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
+	if onPostgres() {
+		t.Skip("on PostgreSQL the read connections are the pool the writes use too")
+	}
+	for _, via := range []string{"admin", "console"} {
+		t.Run(via, func(t *testing.T) {
+			env := MustOpenApp(t)
+			ts := newAdminTestServer(t, env, testAdminKey)
+			failed := setAsideOneOfEach(t, env).failedEventID
+			ctx := context.Background()
+			req, err := http.NewRequest("POST", ts.URL+"/admin/outbox/"+failed+"/retry", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Authorization", "Bearer "+testAdminKey)
+			if via == "console" {
+				c := newConsoleClient(ts)
+				c.login(t, testAdminKey, "alice")
+				token := csrfTokenOn(t, c.page(t, "/console", http.StatusOK))
+				form := retryButton(failed).fields
+				form.Set("csrf", token)
+				req, err = http.NewRequest("POST", ts.URL+"/console/outbox/retry", strings.NewReader(form.Encode()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+				for _, cookie := range c.cookies {
+					req.AddCookie(cookie)
+				}
+			}
+
+			readers := env.app.readDB
+			var held []*sql.Conn
+			release := func() {
+				for _, conn := range held {
+					conn.Close()
+				}
+				held = nil
+			}
+			defer release()
+			for range readers.Stats().MaxOpenConnections {
+				conn, err := readers.Conn(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				held = append(held, conn)
+			}
+			waited := readers.Stats().WaitCount
+			type answer struct {
+				status int
+				body   string
+				err    error
+			}
+			answered := make(chan answer, 1)
+			go func() {
+				client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+				resp, err := client.Do(req)
+				if err != nil {
+					answered <- answer{err: err}
+					return
+				}
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				answered <- answer{resp.StatusCode, string(body), err}
+			}()
+			deadline := time.After(time.Minute)
+			for readers.Stats().WaitCount == waited {
+				select {
+				case got := <-answered:
+					t.Fatalf("with every read connection held, the repair was answered (%d %v): its audit did not read on them", got.status, got.err)
+				case <-deadline:
+					t.Fatal("waited a minute for the repair's audit to ask for a read connection")
+				case <-time.After(time.Millisecond):
+				}
+			}
+			if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, failed); got != string(outboxPending) {
+				t.Fatalf("the event is %s while the audit waits; want the repair committed", got)
+			}
+			// The audit waits for a reader, holding no write connection:
+			// a write goes through.
+			err = withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `UPDATE stock_items SET stocked = stocked WHERE sku = 'sku-1'`)
+				return err
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case got := <-answered:
+				t.Fatalf("the repair was answered (%d %v) before a read connection was free", got.status, got.err)
+			default:
+			}
+			release()
+			got := <-answered
+			want := http.StatusOK
+			if via == "console" {
+				want = http.StatusSeeOther
+			}
+			if got.err != nil || got.status != want {
+				t.Fatalf("the repair answered %d %v %s, want %d", got.status, got.err, got.body, want)
+			}
+			if via == "admin" && !strings.Contains(got.body, `"check":{"ok":true`) {
+				t.Fatalf("the audit after the repair: %s", got.body)
+			}
+		})
 	}
 }

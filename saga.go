@@ -423,8 +423,15 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 			// Every step undone: finishCompensation wrote OrderCancelled.
 			log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
 		}
-		if nexts[i] == sagaCompensatedStep {
+		switch {
+		case nexts[i] == sagaCompensatedStep:
 			a.metrics.compensated(run.step.Name)
+		case nexts[i] == sagaWroteEvent && run.saga.Status == sagaInProgress:
+			// The last step ran: the saga completed.
+			a.metrics.sagaEnded(sagaCompleted)
+		case nexts[i] == sagaWroteEvent:
+			// Every step undone: the saga is compensated.
+			a.metrics.sagaEnded(sagaCompensated)
 		}
 		if asides[i] != nil {
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))

@@ -347,3 +347,27 @@ ALTER TABLE broker_messages ADD COLUMN tracestate TEXT;
 -- span links to it.
 ALTER TABLE saga_instances ADD COLUMN traceparent TEXT;
 ALTER TABLE saga_instances ADD COLUMN tracestate TEXT;
+
+-- version 6
+
+-- What every scrape of /metrics counts (metrics.go) it reads through partial
+-- indexes that hold only the rows waiting for work or for an operator, so a
+-- scrape costs the same after a million orders as on the first day. The
+-- pending events are counted through outbox_events_pending, and the sagas
+-- in progress or compensating through saga_instances_runnable; the sagas
+-- that ended are counted by the processes that end them, not in the
+-- database. Building each index reads the table once, at this migration.
+--
+-- The age of the oldest pending event: its first entry. An event enters it
+-- when written and leaves when published, in the transactions that already
+-- write the row; no commit or row is added.
+CREATE INDEX outbox_events_pending_since ON outbox_events (created_at)
+    WHERE status = 'pending';
+-- Events the relay gave up on, counted without reading the others. Only a
+-- failure writes to it: the create path never does.
+CREATE INDEX outbox_events_failed ON outbox_events (seq)
+    WHERE status = 'failed';
+-- Sagas waiting for an operator; likewise written only when a compensation
+-- gives up.
+CREATE INDEX saga_instances_compensation_failed ON saga_instances (saga_id)
+    WHERE status = 'compensation_failed';

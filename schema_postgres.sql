@@ -338,3 +338,18 @@ ALTER TABLE broker_messages ADD COLUMN traceparent TEXT;
 ALTER TABLE broker_messages ADD COLUMN tracestate TEXT;
 ALTER TABLE saga_instances ADD COLUMN traceparent TEXT;
 ALTER TABLE saga_instances ADD COLUMN tracestate TEXT;
+
+-- version 6
+
+-- The partial indexes that every scrape of /metrics reads instead of the
+-- tables' history: see version 6 of schema.sql for why. Built inside the
+-- migration's transaction, each blocks writes to its table while it reads
+-- it once (CREATE INDEX CONCURRENTLY cannot run in a transaction): on a
+-- table of a hundred million rows, build them by hand beforehand with
+-- CONCURRENTLY and IF NOT EXISTS, under these names.
+CREATE INDEX IF NOT EXISTS outbox_events_pending_since ON outbox_events (created_at)
+    WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS outbox_events_failed ON outbox_events (seq)
+    WHERE status = 'failed';
+CREATE INDEX IF NOT EXISTS saga_instances_compensation_failed ON saga_instances (saga_id)
+    WHERE status = 'compensation_failed';

@@ -112,10 +112,6 @@ func (s *server) routes() http.Handler {
 		"/webhooks/processor":     "POST",
 		"/healthz":                "GET",
 	}
-	if s.app.metrics != nil {
-		mux.Handle("GET /metrics", s.app.metrics.handler(s.logger))
-		allowed["/metrics"] = "GET"
-	}
 	for path, methods := range allowed {
 		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Allow", methods)
