@@ -124,6 +124,9 @@ type App struct {
 	// repairAudits holds a token while an audit after a repair runs: one
 	// at a time (auditAfterRepair).
 	repairAudits chan struct{}
+	// repairAuditBudget bounds the audit that an /admin or console repair
+	// answers with (see answerAudit).
+	repairAuditBudget time.Duration
 	// tracerProvider makes the spans that follow an order through every
 	// layer (tracing.go): a no-op one unless serve, relay or worker found
 	// OTEL_EXPORTER_OTLP_ENDPOINT set.
@@ -167,8 +170,10 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
 		log:       slog.New(slog.DiscardHandler),
 
-		repairAudits:   make(chan struct{}, 1),
-		tracerProvider: noop.NewTracerProvider(),
+		repairAudits: make(chan struct{}, 1),
+
+		repairAuditBudget: repairAuditBudget,
+		tracerProvider:    noop.NewTracerProvider(),
 	}
 	var consumerNames []string
 	for _, c := range app.consumers() {

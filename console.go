@@ -466,15 +466,15 @@ func (s *server) consoleOutcome(ctx context.Context, results []repairResult, err
 			failed++
 		}
 	}
-	violations, err := s.app.auditAfterRepair(ctx)
+	audit := s.app.answerAudit(ctx)
 	switch {
-	case err != nil:
-		flash.Lines = append(flash.Lines, "The repair is committed, but the audit could not run: "+err.Error())
-	case len(violations) == 0:
+	case audit.Unfinished != "":
+		flash.Lines = append(flash.Lines, audit.Unfinished)
+	case audit.OK:
 		flash.OK = failed == 0
 		flash.Lines = append(flash.Lines, "check --in-flight: ok")
 	default:
-		for _, v := range violations {
+		for _, v := range audit.Violations {
 			flash.Lines = append(flash.Lines, "check --in-flight: VIOLATION "+v.Invariant+": "+v.Detail)
 		}
 	}

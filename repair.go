@@ -770,6 +770,32 @@ func (a *App) auditAfterRepair(ctx context.Context) ([]violation, error) {
 	return audit(ctx, a.readDB, a.now(), false)
 }
 
+// repairAuditBudget is how long the audit answered with an /admin or
+// console repair may take. A full audit reads every table: 28 s on a
+// million orders, and serve's WriteTimeout (30 s) would cut the answer off
+// after the repair had committed, leaving the operator to guess. Past the
+// budget the answer says the repair is committed and the audit unfinished,
+// and points to `retrysafe check`, which has no such limit.
+const repairAuditBudget = 10 * time.Second
+
+// answerAudit runs the audit after an /admin or console repair within
+// repairAuditBudget, and returns what to answer of it. An audit that fails
+// or runs out of time is reported in Unfinished, never as the repair's
+// error: the repair is committed whatever the audit says.
+func (a *App) answerAudit(ctx context.Context) auditAnswer {
+	ctx, cancel := context.WithTimeout(ctx, a.repairAuditBudget)
+	defer cancel()
+	violations, err := a.auditAfterRepair(ctx)
+	if err != nil {
+		unfinished := fmt.Sprintf("the repair is committed, but its audit did not finish (%v); run 'retrysafe check --in-flight'", err)
+		if errors.Is(err, context.DeadlineExceeded) {
+			unfinished = fmt.Sprintf("the repair is committed; its audit did not finish within %s on this database; run 'retrysafe check --in-flight'", a.repairAuditBudget)
+		}
+		return auditAnswer{Violations: []violation{}, Unfinished: unfinished}
+	}
+	return auditAnswer{OK: len(violations) == 0, Violations: append([]violation{}, violations...)}
+}
+
 // printRepairAudit runs and prints the audit after a repair
 // (auditAfterRepair).
 func printRepairAudit(ctx context.Context, w io.Writer, app *App) error {
@@ -1163,6 +1189,9 @@ type repairAnswer struct {
 type auditAnswer struct {
 	OK         bool        `json:"ok"`
 	Violations []violation `json:"violations"`
+	// Unfinished, if set, says why the audit did not finish: OK is then
+	// false although no violation was found.
+	Unfinished string `json:"unfinished,omitempty"`
 }
 
 // writeRepair answers an admin repair: its problem if it changed nothing,
@@ -1188,12 +1217,7 @@ func (s *server) writeRepair(w http.ResponseWriter, r *http.Request, results []r
 		writeProblem(w, problem{Type: problemInternal, Title: "Internal error", Status: http.StatusInternalServerError, Detail: err.Error()})
 		return
 	}
-	violations, err := s.app.auditAfterRepair(r.Context())
-	if err != nil {
-		s.writeRepair(w, r, nil, fmt.Errorf("audit after the repair: %w", err))
-		return
-	}
-	writeJSON(w, repairAnswer{Repairs: results, Check: auditAnswer{OK: len(violations) == 0, Violations: append([]violation{}, violations...)}})
+	writeJSON(w, repairAnswer{Repairs: results, Check: s.app.answerAudit(r.Context())})
 }
 
 // writeJSON writes v as a 200 application/json answer.

@@ -874,6 +874,30 @@ func TestAdminAPI(t *testing.T) {
 		mustAuditClean(t, env, true)
 	})
 
+	// Ensure a repair whose audit runs out of time is still answered as
+	// done, saying the audit did not finish: on a large database the full
+	// audit outlasts serve's write timeout, and the answer, not a 500 after
+	// the commit, must tell the operator what happened.
+	t.Run("AnsweredWhenItsAuditRunsOutOfTime", func(t *testing.T) {
+		env := MustOpenApp(t)
+		env.app.repairAuditBudget = time.Nanosecond
+		ts := newAdminTestServer(t, env, testAdminKey)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+		failPublishing(t, env)
+		eventID := env.str(t, `SELECT event_id FROM outbox_events`)
+		r := adminCall(t, ts, "POST", "/admin/outbox/"+eventID+"/retry", testAdminKey, "alice")
+		var answer repairAnswer
+		if err := json.Unmarshal([]byte(r.Body), &answer); r.Status != 200 || err != nil {
+			t.Fatalf("got %d %s (%v), want 200", r.Status, r.Body, err)
+		}
+		if len(answer.Repairs) != 1 || answer.Check.OK || !strings.Contains(answer.Check.Unfinished, "committed") {
+			t.Fatalf("got %+v, want the repair and an unfinished audit", answer)
+		}
+		if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, eventID); got != string(outboxPending) {
+			t.Fatalf("event is %s, want pending", got)
+		}
+	})
+
 	// Ensure the admin key replays a poison message, resumes a saga and
 	// finishes refunds, each listed first, with operator admin-api.
 	t.Run("ReplaysResumesAndFinishes", func(t *testing.T) {
