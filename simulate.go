@@ -85,6 +85,7 @@ type simCounts struct {
 	ClockJumps, LostResponses, Answers5xx         int
 	Outages, LostCommits, Answers503              int
 	Reorders, LostAcks, DuplicatePublishes        int
+	simPostgresCounts
 }
 
 // add adds other's counts to c.
@@ -107,6 +108,7 @@ func (c *simCounts) add(other simCounts) {
 	c.Reorders += other.Reorders
 	c.LostAcks += other.LostAcks
 	c.DuplicatePublishes += other.DuplicatePublishes
+	c.simPostgresCounts.add(other.simPostgresCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -185,8 +187,7 @@ type simulation struct {
 	// processor's, and the simulator's own for its checks.
 	direct *sql.DB
 	// network is the connection between the App and its database, and
-	// brokerNetwork between the App and its broker (both nil on
-	// PostgreSQL, where the simulator injects no outage).
+	// brokerNetwork between the App and its broker.
 	network, brokerNetwork *simDatabase
 	// closeAlso are the handles to close with the App's.
 	closeAlso []*sql.DB
@@ -283,20 +284,15 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 	return s.report, err
 }
 
-// openApp opens the App the simulation drives. On SQLite its database is
-// reached through the simulated network (simulate_faults.go), and the
+// openApp opens the App the simulation drives. Its database is reached
+// through the simulated network (simulate_faults.go; on PostgreSQL also
+// simulate_postgres.go), and the
 // processor, which is another company's system, through a direct handle
 // that the network's outages do not reach. Its broker delivers through
 // simBroker.
 func (s *simulation) openApp(ctx context.Context, path string, ids func(string) string) (*App, error) {
 	if isPostgresURL(path) {
-		app, err := openApp(ctx, path, s.clock.now, ids, s.faultHook)
-		if err != nil {
-			return nil, err
-		}
-		s.direct = app.db
-		app.broker = &simBroker{messageBroker: app.broker, s: s}
-		return app, nil
+		return s.openPostgresApp(ctx, path, ids)
 	}
 	s.network = s.newNetwork("the database")
 	s.brokerNetwork = s.newNetwork("the broker")
@@ -1191,8 +1187,9 @@ func newSimulateCommand() *cobra.Command {
 virtual clients (new requests, retries, concurrent duplicates, keys reused
 after expiry, refunds, hostile bodies, signed webhooks), workers under
 leases, process crashes, pauses past a lease, clock jumps, lost processor
-responses, database outages (on SQLite; one may begin inside a transaction,
-or just after a commit, whose answer is then lost), and a broker that
+responses, database outages (one may begin inside a transaction, or just
+after a commit, whose answer is then lost; on PostgreSQL also backends
+terminated mid-transaction and serialization failures), and a broker that
 delivers a batch out of order, loses acks and gets publishes twice. After every step the in-flight invariants of check must hold; at
 the end the system is made quiet and the full check and every answer the
 clients got are checked.
@@ -1234,20 +1231,22 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 					fmt.Fprintf(out, "seed %d: %d steps, %d requests (%d retries, %d refunds, %d webhooks, %d hostile), "+
 						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses, "+
 						"%d database outages (%d commits whose answer was lost, %d answers 503), "+
-						"%d batches delivered out of order, %d lost acks, %d publishes sent twice: ok\n",
+						"%d batches delivered out of order, %d lost acks, %d publishes sent twice%s: ok\n",
 						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
 						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
-						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes)
+						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes,
+						c.summary(isPostgresURL(dbPath)))
 				}
 			}
 			elapsed := time.Since(start)
 			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min); "+
 				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, "+
-				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks\n",
+				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks%s\n",
 				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
 				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
 				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
-				total.Outages, total.LostCommits, total.Reorders, total.LostAcks)
+				total.Outages, total.LostCommits, total.Reorders, total.LostAcks,
+				total.summary(isPostgresURL(dbPath)))
 			return nil
 		},
 	}

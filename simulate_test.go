@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -19,6 +20,12 @@ import (
 // TestSimulation runs; CI runs more than the default.
 const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
 
+// simulationSeedsPostgresEnv sets how many seeds TestSimulation runs when
+// RETRYSAFE_TEST_POSTGRES is set. A schema per seed, and a server that
+// answers over a socket, make a seed cost about ten times what it does on
+// SQLite, so the default is small; CI runs a few hundred.
+const simulationSeedsPostgresEnv = "RETRYSAFE_SIM_SEEDS_POSTGRES"
+
 // Ensure that, for every seed, a run of clients, workers, crashes, pauses,
 // clock jumps and lost responses keeps every invariant after every step, and
 // every promise to the clients once quiet. A failure prints the seed, the
@@ -28,28 +35,45 @@ func TestSimulation(t *testing.T) {
 	if testing.Short() {
 		seeds = 20
 	}
-	if v := os.Getenv(simulationSeedsEnv); v != "" {
+	seedsEnv := simulationSeedsEnv
+	if onPostgres() {
+		seeds, seedsEnv = 20, simulationSeedsPostgresEnv
+		if testing.Short() {
+			seeds = 5
+		}
+	}
+	if v := os.Getenv(seedsEnv); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {
-			t.Fatalf("%s=%q: want a number of seeds", simulationSeedsEnv, v)
+			t.Fatalf("%s=%q: want a number of seeds", seedsEnv, v)
 		}
 		seeds = n
 	}
-	if onPostgres() {
-		// A schema per seed costs more than the run itself.
-		seeds = min(seeds, 20)
-	}
 	ctx := context.Background()
+	var total simCounts
 	for seed := uint64(1); seed <= uint64(seeds); seed++ {
 		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: simulationDatabase(t)})
 		if err != nil {
 			t.Fatalf("seed %d: %v", seed, err)
 		}
 		if report.Failure != "" {
-			t.Fatalf("seed %d failed at step %d: %s\nreplay: go run . simulate --seed %d --steps %d\n%s",
-				seed, report.FailureStep, report.Failure, seed, simulationSteps, strings.Join(report.Trace, "\n"))
+			t.Fatalf("seed %d failed at step %d: %s\nreplay: %s\n%s",
+				seed, report.FailureStep, report.Failure, simulationReplay(seed), strings.Join(report.Trace, "\n"))
 		}
+		total.add(report.Counts)
 	}
+	t.Logf("%d seeds: %d requests, %d crashes, %d database outages, %d lost commit answers%s",
+		seeds, total.Requests, total.Crashes, total.Outages, total.LostCommits, total.summary(onPostgres()))
+}
+
+// simulationReplay is the command that replays seed: on PostgreSQL, into
+// an empty database the command names.
+func simulationReplay(seed uint64) string {
+	if onPostgres() {
+		return fmt.Sprintf("createdb sim%d && go run . simulate --seed %d --steps %d --trace --db postgres://.../sim%d",
+			seed, seed, simulationSteps, seed)
+	}
+	return fmt.Sprintf("go run . simulate --seed %d --steps %d --trace", seed, simulationSteps)
 }
 
 // Ensure a seed gives the same run twice, byte for byte.
