@@ -123,11 +123,10 @@ func (s *simulation) openPostgresApp(ctx context.Context, rawURL string, ids fun
 		return nil, fmt.Errorf("parse database URL %s: %w", redactURL(rawURL), err)
 	}
 	server := rebindConnector{stdlib.GetConnector(*config)}
+	s.direct = direct
 	s.network = s.newNetwork("the database")
 	s.brokerNetwork = s.newNetwork("the broker")
-	db := sql.OpenDB(&simConnector{base: &simPostgresConnector{base: server, s: s}, network: s.network})
-	db.SetMaxOpenConns(postgresMaxConns)
-	db.SetMaxIdleConns(postgresMaxConns)
+	db := s.openPostgresPool(server, s.network, s.postgresFault)
 	brokerDB := sql.OpenDB(&simConnector{base: server, network: s.brokerNetwork})
 	brokerDB.SetMaxOpenConns(postgresMaxConns)
 	brokerDB.SetMaxIdleConns(postgresMaxConns)
@@ -135,12 +134,21 @@ func (s *simulation) openPostgresApp(ctx context.Context, rawURL string, ids fun
 	app.processor.db = direct
 	app.broker = &simBroker{messageBroker: &embeddedBroker{db: brokerDB, now: s.clock.now, fault: s.faultHook, ackWait: app.leases.ackWait}, s: s}
 	s.closeAlso = []*sql.DB{brokerDB, direct}
-	s.direct = direct
 	if err := app.subscribeConsumers(ctx); err != nil {
 		db.Close()
 		return nil, err
 	}
 	return app, nil
+}
+
+// openPostgresPool returns a pool of connections to server through
+// network, whose transactions meet the faults draw returns. s.direct must
+// be set: it terminates their backends.
+func (s *simulation) openPostgresPool(server driver.Connector, network *simDatabase, draw func(commit bool) postgresFault) *sql.DB {
+	db := sql.OpenDB(&simConnector{base: &simPostgresConnector{base: server, s: s, draw: draw}, network: network})
+	db.SetMaxOpenConns(postgresMaxConns)
+	db.SetMaxIdleConns(postgresMaxConns)
+	return db
 }
 
 // postgresFault draws what the server does at the next statement of a
@@ -165,6 +173,8 @@ func (s *simulation) postgresFault(commit bool) postgresFault {
 type simPostgresConnector struct {
 	base driver.Connector
 	s    *simulation
+	// draw is s.postgresFault; a test gives faults of its choosing.
+	draw func(commit bool) postgresFault
 }
 
 // Connect opens a connection and notes its backend's process id.
@@ -178,7 +188,7 @@ func (c *simPostgresConnector) Connect(ctx context.Context) (driver.Conn, error)
 		conn.Close()
 		return nil, fmt.Errorf("bug: rebindConnector returned a %T", conn)
 	}
-	return &simPostgresConn{rebindConn: rebound, s: c.s, pid: rebound.Conn.Conn().PgConn().PID()}, nil
+	return &simPostgresConn{rebindConn: rebound, s: c.s, draw: c.draw, pid: rebound.Conn.Conn().PgConn().PID()}, nil
 }
 
 // Driver returns the PostgreSQL driver, so dialectOf sees PostgreSQL.
@@ -189,8 +199,9 @@ func (c *simPostgresConnector) Driver() driver.Driver { return c.base.Driver() }
 // meet a fault (postgresFault).
 type simPostgresConn struct {
 	rebindConn
-	s   *simulation
-	pid uint32
+	s    *simulation
+	draw func(commit bool) postgresFault
+	pid  uint32
 	// inTx is set while a transaction is open; serializable if it is a
 	// SERIALIZABLE one.
 	inTx, serializable bool
@@ -240,7 +251,7 @@ func (c *simPostgresConn) beforeStatement(ctx context.Context) error {
 	if !c.inTx || c.terminated {
 		return nil
 	}
-	switch c.s.postgresFault(false) {
+	switch c.draw(false) {
 	case postgresTerminate:
 		return c.terminateMidTransaction(ctx, "a statement")
 	case postgresConflict:
@@ -336,7 +347,7 @@ func (t *simPostgresTx) Commit() error {
 	if c.terminated {
 		return c.seen(t.tx.Commit())
 	}
-	switch c.s.postgresFault(true) {
+	switch c.draw(true) {
 	case postgresTerminate:
 		if err := c.terminateMidTransaction(ctx, "the COMMIT"); err != nil {
 			t.tx.Rollback()

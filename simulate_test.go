@@ -3,17 +3,22 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
@@ -52,7 +57,9 @@ func TestSimulation(t *testing.T) {
 	ctx := context.Background()
 	var total simCounts
 	for seed := uint64(1); seed <= uint64(seeds); seed++ {
-		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: simulationDatabase(t)})
+		path, remove := simulationDatabase(t)
+		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: path})
+		remove()
 		if err != nil {
 			t.Fatalf("seed %d: %v", seed, err)
 		}
@@ -81,7 +88,9 @@ func TestSimulationIsDeterministic(t *testing.T) {
 	ctx := context.Background()
 	var traces [2]string
 	for i := range traces {
-		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: simulationDatabase(t)})
+		path, remove := simulationDatabase(t)
+		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: path})
+		remove()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -92,13 +101,36 @@ func TestSimulationIsDeterministic(t *testing.T) {
 	}
 }
 
-// simulationDatabase returns a new database for one simulated run: a
-// SQLite file, or with RETRYSAFE_TEST_POSTGRES a PostgreSQL schema (the
-// simulator runs one coroutine at a time and never waits inside a
-// transaction, so it is as deterministic there).
-func simulationDatabase(tb testing.TB) string {
+// simulationDatabase returns a new database for one simulated run, and a
+// function that removes it once the run is over: "" for a temporary SQLite
+// file (simulateOnce removes it), or with RETRYSAFE_TEST_POSTGRES a
+// PostgreSQL schema (the simulator runs one coroutine at a time and never
+// waits inside a transaction, so it is as deterministic there). Its
+// connections do not wait for the WAL to reach the disk
+// (synchronous_commit=off): the simulator never crashes the server, and an
+// fsync per commit on a shared CI machine made a seed cost seconds.
+func simulationDatabase(tb testing.TB) (string, func()) {
 	tb.Helper()
-	return testDatabase(tb)
+	base := os.Getenv(testPostgresEnv)
+	if base == "" {
+		return "", func() {}
+	}
+	u, err := url.Parse(base)
+	if err != nil {
+		tb.Fatalf("%s: %v", testPostgresEnv, err)
+	}
+	query := u.Query()
+	query.Set("synchronous_commit", "off")
+	u.RawQuery = query.Encode()
+	schemaURL, drop, err := createTestSchema(u.String())
+	if err != nil {
+		tb.Fatalf("%s: %v", testPostgresEnv, err)
+	}
+	return schemaURL, func() {
+		if err := drop(); err != nil {
+			tb.Error(err)
+		}
+	}
 }
 
 // Ensure the simulated network does what the simulator claims: while the
@@ -207,4 +239,109 @@ func openSimTestDatabase(t *testing.T) (*simDatabase, *sql.DB, *sql.DB) {
 		db.Close()
 	})
 	return network, db, readers
+}
+
+// Ensure the simulator's PostgreSQL faults do what it claims, on a real
+// server: a backend terminated mid-transaction leaves nothing and is
+// reported as an unavailable database; a serialization failure or a
+// deadlock, at a statement or at COMMIT, is retried by withTx and leaves
+// the transaction's rows once; a commit whose answer is lost is committed
+// although its caller got an unavailable database; and the pool works on
+// afterwards.
+func TestSimulatedPostgresFaults(t *testing.T) {
+	if !onPostgres() {
+		t.Skipf("set %s to run the simulator's PostgreSQL faults against a server", testPostgresEnv)
+	}
+	ctx := context.Background()
+	rawURL := testDatabase(t)
+	direct, err := openPostgres(ctx, rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { direct.Close() })
+	config, err := pgx.ParseConfig(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each call of draw takes the next fault of script: one per statement
+	// of a transaction, and one per COMMIT.
+	var script []postgresFault
+	draw := func(commit bool) postgresFault {
+		if len(script) == 0 {
+			return postgresNoFault
+		}
+		fault := script[0]
+		script = script[1:]
+		return fault
+	}
+	s := &simulation{direct: direct}
+	db := s.openPostgresPool(rebindConnector{stdlib.GetConnector(*config)}, &simDatabase{}, draw)
+	t.Cleanup(func() { db.Close() })
+	if _, err := direct.ExecContext(ctx, `CREATE TABLE scratch (k TEXT)`); err != nil {
+		t.Fatal(err)
+	}
+	count := func(key string) int {
+		t.Helper()
+		var n int
+		if err := direct.QueryRowContext(ctx, `SELECT COUNT(*) FROM scratch WHERE k = ?`, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	// insertTwo writes two rows under key in one transaction (begun by
+	// begin), and returns how many times it ran.
+	insertTwo := func(begin func(context.Context, *sql.DB, func(*sql.Tx) error) error, key string) (int, error) {
+		runs := 0
+		err := begin(ctx, db, func(tx *sql.Tx) error {
+			runs++
+			for range 2 {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO scratch (k) VALUES (?)`, key); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		return runs, err
+	}
+
+	script = []postgresFault{postgresNoFault, postgresTerminate}
+	if _, err := insertTwo(withTx, "terminated"); !errors.Is(err, errSimTerminated) || !isDatabaseUnavailable(err) {
+		t.Fatalf("a transaction whose backend was terminated returned %v, want %v", err, errSimTerminated)
+	}
+	script = []postgresFault{postgresNoFault, postgresNoFault, postgresTerminate}
+	if _, err := insertTwo(withTx, "terminated-at-commit"); !errors.Is(err, errSimTerminated) {
+		t.Fatalf("a transaction whose backend was terminated before COMMIT returned %v, want %v", err, errSimTerminated)
+	}
+	if n := count("terminated") + count("terminated-at-commit"); n != 0 || s.report.Counts.Terminations != 2 {
+		t.Fatalf("terminated transactions left %d rows (%d terminations counted), want 0 rows and 2", n, s.report.Counts.Terminations)
+	}
+
+	for _, tc := range []struct {
+		name   string
+		begin  func(context.Context, *sql.DB, func(*sql.Tx) error) error
+		script []postgresFault
+	}{
+		{"serialization-failure", withTx, []postgresFault{postgresConflict}},
+		{"serialization-failure-at-commit", withTx, []postgresFault{postgresNoFault, postgresNoFault, postgresConflict}},
+		{"deadlock", withClaimTx, []postgresFault{postgresNoFault, postgresConflict}},
+	} {
+		script = tc.script
+		runs, err := insertTwo(tc.begin, tc.name)
+		if err != nil || runs != 2 || count(tc.name) != 2 {
+			t.Fatalf("%s: got %v after %d runs, %d rows; want the transaction run again, once, and its 2 rows", tc.name, err, runs, count(tc.name))
+		}
+	}
+	if c := s.report.Counts; c.SerializationFailures != 2 || c.Deadlocks != 1 {
+		t.Fatalf("counted %d serialization failures and %d deadlocks, want 2 and 1", c.SerializationFailures, c.Deadlocks)
+	}
+
+	script = []postgresFault{postgresNoFault, postgresNoFault, postgresLoseCommit}
+	runs, err := insertTwo(withTx, "lost-answer")
+	if !isDatabaseUnavailable(err) || runs != 1 || count("lost-answer") != 2 || s.report.Counts.LostCommits != 1 {
+		t.Fatalf("a commit whose answer was lost returned %v after %d runs, with %d rows (%d counted); want an unavailable database, 1 run, the 2 rows it committed, 1 counted",
+			err, runs, count("lost-answer"), s.report.Counts.LostCommits)
+	}
+	if _, err := insertTwo(withTx, "after"); err != nil || count("after") != 2 {
+		t.Fatalf("after the faults the pool returned %v with %d rows, want the 2 rows", err, count("after"))
+	}
 }
