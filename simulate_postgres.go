@@ -43,6 +43,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -222,7 +223,7 @@ func (c *simPostgresConn) BeginTx(ctx context.Context, opts driver.TxOptions) (d
 
 // ExecContext runs a statement, unless the server fails it first.
 func (c *simPostgresConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
-	if err := c.beforeStatement(ctx); err != nil {
+	if err := c.beforeStatement(ctx, query); err != nil {
 		return nil, err
 	}
 	result, err := c.rebindConn.ExecContext(ctx, query, args)
@@ -231,7 +232,7 @@ func (c *simPostgresConn) ExecContext(ctx context.Context, query string, args []
 
 // QueryContext runs a query, unless the server fails it first.
 func (c *simPostgresConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
-	if err := c.beforeStatement(ctx); err != nil {
+	if err := c.beforeStatement(ctx, query); err != nil {
 		return nil, err
 	}
 	rows, err := c.rebindConn.QueryContext(ctx, query, args)
@@ -246,9 +247,11 @@ func (c *simPostgresConn) IsValid() bool {
 // beforeStatement applies the fault drawn for a statement of a
 // transaction: a terminated backend (the statement then runs, and fails,
 // on the dead connection) or a conflict (the server's error, returned
-// instead of running the statement).
-func (c *simPostgresConn) beforeStatement(ctx context.Context) error {
-	if !c.inTx || c.terminated {
+// instead of running the statement). Nothing is drawn for a statement the
+// server would not fail that way: one in a transaction it has already
+// aborted (the caller is rolling back), or a savepoint's own command.
+func (c *simPostgresConn) beforeStatement(ctx context.Context, query string) error {
+	if !c.inTx || c.terminated || c.Conn.Conn().PgConn().TxStatus() != 'T' || isSavepointCommand(query) {
 		return nil
 	}
 	switch c.draw(false) {
@@ -258,6 +261,17 @@ func (c *simPostgresConn) beforeStatement(ctx context.Context) error {
 		return c.conflict(ctx, "a statement")
 	}
 	return nil
+}
+
+// isSavepointCommand reports whether query is SAVEPOINT, RELEASE or
+// ROLLBACK TO.
+func isSavepointCommand(query string) bool {
+	word, _, _ := strings.Cut(strings.TrimSpace(query), " ")
+	switch strings.ToUpper(word) {
+	case "SAVEPOINT", "RELEASE", "ROLLBACK":
+		return true
+	}
+	return false
 }
 
 // terminate has the server end this connection's backend, from the
@@ -344,7 +358,7 @@ func (t *simPostgresTx) Commit() error {
 	c := t.conn
 	defer func() { c.inTx = false }()
 	ctx := context.Background()
-	if c.terminated {
+	if c.terminated || c.Conn.Conn().PgConn().TxStatus() != 'T' {
 		return c.seen(t.tx.Commit())
 	}
 	switch c.draw(true) {

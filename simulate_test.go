@@ -14,6 +14,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -54,23 +56,79 @@ func TestSimulation(t *testing.T) {
 		}
 		seeds = n
 	}
-	ctx := context.Background()
+	workers := 1
+	if onPostgres() {
+		workers = simulationPostgresWorkers
+	}
+	reports, err := simulateSeeds(context.Background(), seeds, workers)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var total simCounts
-	for seed := uint64(1); seed <= uint64(seeds); seed++ {
-		path, remove := simulationDatabase(t)
-		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: path})
-		remove()
-		if err != nil {
-			t.Fatalf("seed %d: %v", seed, err)
-		}
+	for _, report := range reports {
 		if report.Failure != "" {
 			t.Fatalf("seed %d failed at step %d: %s\nreplay: %s\n%s",
-				seed, report.FailureStep, report.Failure, simulationReplay(seed), strings.Join(report.Trace, "\n"))
+				report.Seed, report.FailureStep, report.Failure, simulationReplay(report.Seed), strings.Join(report.Trace, "\n"))
 		}
 		total.add(report.Counts)
 	}
 	t.Logf("%d seeds: %d requests, %d crashes, %d database outages, %d lost commit answers%s",
 		seeds, total.Requests, total.Crashes, total.Outages, total.LostCommits, total.summary(onPostgres()))
+}
+
+// simulationPostgresWorkers is how many seeds TestSimulation runs at once on
+// PostgreSQL. A run there spends most of its time waiting for the server (a
+// round trip per statement, and the in-flight audit's queries after every
+// step), so runs of different seeds, each alone in its schema and each as
+// deterministic as it is alone, overlap well even on two cores.
+const simulationPostgresWorkers = 4
+
+// simulateSeeds runs seeds 1 to seeds, workers at a time, each on a new
+// database, and returns the reports of those that ran, in seed order. Once
+// a seed fails no new one starts; the seeds already running end their
+// runs, so the first failure among the reports is the lowest failing seed
+// of those that ran. It returns an error if a run could not start or its
+// database could not be removed.
+func simulateSeeds(ctx context.Context, seeds, workers int) ([]simReport, error) {
+	reports := make([]simReport, seeds)
+	errs := make([]error, seeds)
+	var failed atomic.Bool
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range workers {
+		// Each worker returns once next is closed.
+		wg.Go(func() {
+			for i := range next {
+				path, remove, err := simulationDatabase()
+				if err != nil {
+					errs[i] = err
+					failed.Store(true)
+					continue
+				}
+				reports[i], errs[i] = simulateOnce(ctx, simOptions{seed: uint64(i + 1), steps: simulationSteps, path: path})
+				if err := remove(); err != nil && errs[i] == nil {
+					errs[i] = err
+				}
+				if errs[i] != nil || reports[i].Failure != "" {
+					failed.Store(true)
+				}
+			}
+		})
+	}
+	// Seeds are handed out in order and every seed handed out runs to its
+	// end, so those that ran are 1 to ran.
+	ran := 0
+	for ; ran < seeds && !failed.Load(); ran++ {
+		next <- ran
+	}
+	close(next)
+	wg.Wait()
+	for i := range ran {
+		if errs[i] != nil {
+			return nil, fmt.Errorf("seed %d: %w", i+1, errs[i])
+		}
+	}
+	return reports[:ran], nil
 }
 
 // simulationReplay is the command that replays seed: on PostgreSQL, into
@@ -88,9 +146,14 @@ func TestSimulationIsDeterministic(t *testing.T) {
 	ctx := context.Background()
 	var traces [2]string
 	for i := range traces {
-		path, remove := simulationDatabase(t)
+		path, remove, err := simulationDatabase()
+		if err != nil {
+			t.Fatal(err)
+		}
 		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: path})
-		remove()
+		if err := remove(); err != nil {
+			t.Error(err)
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -109,28 +172,23 @@ func TestSimulationIsDeterministic(t *testing.T) {
 // connections do not wait for the WAL to reach the disk
 // (synchronous_commit=off): the simulator never crashes the server, and an
 // fsync per commit on a shared CI machine made a seed cost seconds.
-func simulationDatabase(tb testing.TB) (string, func()) {
-	tb.Helper()
+func simulationDatabase() (string, func() error, error) {
 	base := os.Getenv(testPostgresEnv)
 	if base == "" {
-		return "", func() {}
+		return "", func() error { return nil }, nil
 	}
 	u, err := url.Parse(base)
 	if err != nil {
-		tb.Fatalf("%s: %v", testPostgresEnv, err)
+		return "", nil, fmt.Errorf("%s: %w", testPostgresEnv, err)
 	}
 	query := u.Query()
 	query.Set("synchronous_commit", "off")
 	u.RawQuery = query.Encode()
 	schemaURL, drop, err := createTestSchema(u.String())
 	if err != nil {
-		tb.Fatalf("%s: %v", testPostgresEnv, err)
+		return "", nil, fmt.Errorf("%s: %w", testPostgresEnv, err)
 	}
-	return schemaURL, func() {
-		if err := drop(); err != nil {
-			tb.Error(err)
-		}
-	}
+	return schemaURL, drop, nil
 }
 
 // Ensure the simulated network does what the simulator claims: while the
