@@ -14,7 +14,9 @@
 // processor loses a response, the database becomes unreachable for a few
 // steps (sometimes mid-transaction, sometimes just after a commit whose
 // answer is lost), or the broker hands a batch over out of order, loses an
-// ack or gets a publish twice (simulate_faults.go).
+// ack or gets a publish twice (simulate_faults.go). On PostgreSQL the
+// server also terminates a transaction's backend, fails it with a
+// serialization failure, or loses a commit's answer (simulate_postgres.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
