@@ -20,6 +20,10 @@
 //     reads the answer, so the client is told the connection broke for work
 //     that was done.
 //
+// A statement outside a transaction is a transaction of its own: its
+// backend may be terminated before it runs, and an Exec's answer may be
+// lost after it committed.
+//
 // Only the App's own connections meet these faults. The broker stands for
 // NATS and has a network of its own (outages, no PostgreSQL faults); the
 // processor, the audit and the clients' checks use a direct handle, which is
@@ -46,20 +50,32 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // errSimTerminated is what a call on a connection whose backend the
 // simulator terminated returns, whatever pgx saw first (the server's FATAL
 // 57P01, or the socket's EOF), provided isDatabaseUnavailable recognised
-// what it saw. Anything else is passed on as it is: a finding.
-var errSimTerminated = fmt.Errorf("the server terminated the connection (pg_terminate_backend, simulated): %w", driver.ErrBadConn)
+// what it saw. Anything else is passed on as it is: a finding. It is the
+// server's error, not driver.ErrBadConn: database/sql would run a
+// statement outside a transaction again on another connection after
+// ErrBadConn, and pgx says ErrBadConn only when nothing was sent.
+var errSimTerminated = &pgconn.PgError{Severity: "FATAL", Code: "57P01",
+	Message: "terminating connection due to administrator command (pg_terminate_backend, simulated)"}
+
+// errSimAnswerLost is what a statement outside a transaction returns when
+// it ran and committed, and then its backend was terminated before its
+// answer was read.
+var errSimAnswerLost = &pgconn.PgError{Severity: "FATAL", Code: "57P01",
+	Message: "terminating connection due to administrator command (pg_terminate_backend, simulated, after the statement committed)"}
 
 // simPostgresCounts are the PostgreSQL faults a run injected.
 type simPostgresCounts struct {
-	// Terminations are backends terminated mid-transaction (before a
-	// statement or before COMMIT); LostCommits of the simulation count
-	// those terminated just after a COMMIT that landed.
+	// Terminations are backends terminated before a statement (in a
+	// transaction or on its own) or before COMMIT; LostCommits of the
+	// simulation count those terminated just after a COMMIT, or a
+	// statement on its own, that landed.
 	Terminations int
 	// SerializationFailures are 40001s raised in SERIALIZABLE
 	// transactions; Deadlocks 40P01s raised in READ COMMITTED ones.
@@ -79,7 +95,7 @@ func (c simPostgresCounts) summary(onPostgres bool) string {
 	if !onPostgres {
 		return ""
 	}
-	return fmt.Sprintf(", PostgreSQL: %d backends terminated mid-transaction, %d serialization failures, %d deadlocks",
+	return fmt.Sprintf(", PostgreSQL: %d backends terminated before a statement or COMMIT, %d serialization failures, %d deadlocks",
 		c.Terminations, c.SerializationFailures, c.Deadlocks)
 }
 
@@ -222,7 +238,28 @@ func (c *simPostgresConn) BeginTx(ctx context.Context, opts driver.TxOptions) (d
 }
 
 // ExecContext runs a statement, unless the server fails it first.
+//
+// A statement outside a transaction is a transaction of its own: its
+// backend may be terminated before it runs, or it may run and commit while
+// its answer is lost.
 func (c *simPostgresConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	if !c.inTx && !c.terminated {
+		switch c.draw(true) {
+		case postgresTerminate:
+			if err := c.terminateMidTransaction(ctx, "a statement outside"); err != nil {
+				return nil, err
+			}
+		case postgresLoseCommit:
+			if _, err := c.rebindConn.ExecContext(ctx, query, args); err != nil {
+				return nil, err
+			}
+			if err := c.terminate(ctx); err != nil {
+				return nil, err
+			}
+			c.s.postgresCommitLost()
+			return nil, errSimAnswerLost
+		}
+	}
 	if err := c.beforeStatement(ctx, query); err != nil {
 		return nil, err
 	}
@@ -231,7 +268,16 @@ func (c *simPostgresConn) ExecContext(ctx context.Context, query string, args []
 }
 
 // QueryContext runs a query, unless the server fails it first.
+//
+// Outside a transaction only its backend may be terminated first: a
+// query's rows are read after it returns, so its answer cannot be lost
+// here once it has one.
 func (c *simPostgresConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
+	if !c.inTx && !c.terminated && c.draw(true) == postgresTerminate {
+		if err := c.terminateMidTransaction(ctx, "a statement outside"); err != nil {
+			return nil, err
+		}
+	}
 	if err := c.beforeStatement(ctx, query); err != nil {
 		return nil, err
 	}
@@ -297,7 +343,7 @@ func (c *simPostgresConn) terminate(ctx context.Context) error {
 }
 
 // terminateMidTransaction terminates the backend before a statement or
-// the COMMIT (where) reaches it, and counts it.
+// the COMMIT (where) of a transaction reaches it, and counts it.
 func (c *simPostgresConn) terminateMidTransaction(ctx context.Context, where string) error {
 	if err := c.terminate(ctx); err != nil {
 		return err

@@ -399,6 +399,24 @@ func TestSimulatedPostgresFaults(t *testing.T) {
 		t.Fatalf("a commit whose answer was lost returned %v after %d runs, with %d rows (%d counted); want an unavailable database, 1 run, the 2 rows it committed, 1 counted",
 			err, runs, count("lost-answer"), s.report.Counts.LostCommits)
 	}
+
+	// A statement on its own is a transaction of its own, and database/sql
+	// must not run it again on another connection.
+	insertOne := func(key string) error {
+		_, err := db.ExecContext(ctx, `INSERT INTO scratch (k) VALUES (?)`, key)
+		return err
+	}
+	script = []postgresFault{postgresTerminate}
+	if err := insertOne("alone-terminated"); !errors.Is(err, errSimTerminated) || count("alone-terminated") != 0 {
+		t.Fatalf("a statement whose backend was terminated returned %v with %d rows, want %v and 0 rows",
+			err, count("alone-terminated"), errSimTerminated)
+	}
+	script = []postgresFault{postgresLoseCommit}
+	if err := insertOne("alone-lost"); !isDatabaseUnavailable(err) || count("alone-lost") != 1 || s.report.Counts.LostCommits != 2 {
+		t.Fatalf("a statement whose answer was lost returned %v with %d rows (%d lost commits counted); want an unavailable database, the 1 row it committed, 2 counted",
+			err, count("alone-lost"), s.report.Counts.LostCommits)
+	}
+
 	if _, err := insertTwo(withTx, "after"); err != nil || count("after") != 2 {
 		t.Fatalf("after the faults the pool returned %v with %d rows, want the 2 rows", err, count("after"))
 	}
