@@ -741,7 +741,7 @@ func TestProcessesLogJSONAndServeMetrics(t *testing.T) {
 	background := map[string]bool{"relay published": true, "inbox": true, "saga step": true, "saga compensated": true}
 	seen := map[string]bool{}
 	for _, p := range []*process{serveProcess, relay, worker} {
-		if err := <-p.exited; err != nil {
+		if err := mustReceive(t, p.name+" to exit", p.exited); err != nil {
 			t.Errorf("%s exited with %v", p.name, err)
 		}
 		for _, record := range jsonRecords(t, p.name, p.out.snapshot()) {

@@ -492,19 +492,18 @@ func TestInboxReplay(t *testing.T) {
 // a published message reaches a pull consumer a moment later.
 func waitForOrderStatus(tb testing.TB, env *testEnv, orderID string, status orderStatus) {
 	tb.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for time.Now().Before(deadline) {
+	eventually(tb, fmt.Sprintf("order %s to become %s", orderID, status), 20*time.Second, func() (bool, string) {
 		if _, err := env.app.runWorkersOnce(context.Background(), "test-worker"); err != nil {
 			tb.Fatalf("workers: %v", err)
 		}
-		if env.str(tb, `SELECT status FROM orders WHERE order_id = ?`, orderID) == string(status) {
-			env.drain(tb)
-			return
+		got := env.str(tb, `SELECT status FROM orders WHERE order_id = ?`, orderID)
+		if got == string(status) {
+			return true, ""
 		}
 		env.clock.advance(time.Second)
-		time.Sleep(10 * time.Millisecond)
-	}
-	tb.Fatalf("order %s never became %s", orderID, status)
+		return false, fmt.Sprintf("it %s; %s", got, env.unsettled(tb))
+	})
+	env.drain(tb)
 }
 
 // compensationFailedSaga creates an order whose confirm step fails and
@@ -1300,16 +1299,14 @@ func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
 				body, err := io.ReadAll(resp.Body)
 				answered <- answer{resp.StatusCode, string(body), err}
 			}()
-			deadline := time.After(time.Minute)
-			for readers.Stats().WaitCount == waited {
+			eventually(t, "the repair's audit to ask for a read connection", waitLimit, func() (bool, string) {
 				select {
 				case got := <-answered:
 					t.Fatalf("with every read connection held, the repair was answered (%d %v): its audit did not read on them", got.status, got.err)
-				case <-deadline:
-					t.Fatal("waited a minute for the repair's audit to ask for a read connection")
-				case <-time.After(time.Millisecond):
+				default:
 				}
-			}
+				return readers.Stats().WaitCount != waited, "no wait for a read connection"
+			})
 			if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, failed); got != string(outboxPending) {
 				t.Fatalf("the event is %s while the audit waits; want the repair committed", got)
 			}
@@ -1328,7 +1325,7 @@ func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
 			default:
 			}
 			release()
-			got := <-answered
+			got := mustReceive(t, "the repair's answer once a read connection was free", answered)
 			want := http.StatusOK
 			if via == "console" {
 				want = http.StatusSeeOther

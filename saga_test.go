@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -342,6 +343,9 @@ func TestSaga(t *testing.T) {
 		startSagas(t, env)
 
 		bReserved, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		// A test that fails while B is held still lets B go.
+		releaseB := sync.OnceFunc(func() { close(resumeB) })
+		t.Cleanup(releaseB)
 		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
 			if point != faultBeforeStep {
 				return nil
@@ -355,18 +359,19 @@ func TestSaga(t *testing.T) {
 					_, err := env.app.sagaOnce(withWorker(ctx, "B"), "worker-B", sagaBatchSize)
 					bDone <- err
 				}()
-				<-bReserved
+				mustReceive(t, "worker B to take the saga over and reserve", bReserved)
 			case worker == "B" && pass == 3:
 				// B has reserved the last unit and is about to charge: it
 				// stalls, and A resumes.
 				close(bReserved)
-				<-resumeB
+				_, err := await("the test to let worker B charge", resumeB)
+				return err
 			}
 			return nil
 		})
 		_, errA := env.app.sagaOnce(withWorker(ctx, "A"), "worker-A", sagaBatchSize)
-		close(resumeB)
-		if errB := <-bDone; errA != nil || errB != nil {
+		releaseB()
+		if errB := mustReceive(t, "worker B to finish", bDone); errA != nil || errB != nil {
 			t.Fatalf("worker A: %v, worker B: %v", errA, errB)
 		}
 		env.fault.setCtx(nil)

@@ -170,18 +170,16 @@ func redeliver(tb testing.TB, env *testEnv, onNATS bool, c consumer) []receiveRe
 	if !onNATS {
 		env.clock.advance(env.app.leases.ackWait)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		results, err := env.app.consumeOnce(ctx, c, 10)
+	var results []receiveResult
+	eventually(tb, c.name+" to get its message again", waitLimit, func() (bool, string) {
+		var err error
+		results, err = env.app.consumeOnce(ctx, c, 10)
 		if err != nil {
 			tb.Fatal(err)
 		}
-		if len(results) > 0 {
-			return results
-		}
-	}
-	tb.Fatalf("%s got no redelivery in 10s", c.name)
-	return nil
+		return len(results) > 0, "no delivery"
+	})
+	return results
 }
 
 // traceOneOrder drives one order through every layer under an in-memory
