@@ -129,7 +129,7 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 	var result receiveResult
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 		var err error
-		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
+		result, err = a.entry.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
 	if err == nil {
@@ -159,10 +159,6 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 // must retry the transaction), or the inbox could not be written. Nothing
 // is counted then, so an outage of any length uses up no message's tries.
 func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
-	if a.without == layerInbox {
-		// demo --without inbox (demo_without.go).
-		return receiveWithoutInbox(ctx, tx, messageID, apply)
-	}
 	result := receiveResult{MessageID: messageID}
 	now := a.now()
 	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
@@ -346,7 +342,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 			}
 			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
 			processed[i] = span.SpanContext()
-			result, err := a.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+			result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
 				return c.apply(processCtx, tx, d.message)
 			})
 			endProcessSpan(span, result, err)
