@@ -198,19 +198,10 @@ func (a *App) createOrderDualWrite(ctx context.Context, req idempotentRequest, o
 // second time; a failure is retried for ever.
 func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	result := receiveResult{MessageID: messageID, Outcome: inboxApplied}
-	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
-		return result, fmt.Errorf("savepoint: %w", err)
-	}
-	err := apply(tx)
-	if err != nil {
-		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
-			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
-		}
+	failed, err := inSavepoint(ctx, tx, "inbox_message", func() error { return apply(tx) })
+	if failed != nil {
 		result.Outcome = inboxRetry
-		result.Err = err
+		result.Err = failed
 	}
-	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {
-		return result, fmt.Errorf("release savepoint: %w", releaseErr)
-	}
-	return result, nil
+	return result, err
 }
