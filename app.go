@@ -111,8 +111,6 @@ type App struct {
 	// swapped one for the naive code the article warns against. Chosen
 	// once, when the App is wired: the layers have no demo branches.
 	entry layerEntries
-	// without, if set, is the layer that demo --without replaced.
-	without layer
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
@@ -187,6 +185,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 	app.entry = layerEntries{
 		createOrder: app.createOrder,
 		receiveIn:   app.receiveIn,
+		compensate:  app.compensate,
 	}
 	return app
 }
@@ -196,6 +195,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 type layerEntries struct {
 	createOrder func(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error)
 	receiveIn   func(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error)
+	compensate  func(ctx context.Context, run *sagaRun) error
 }
 
 // setLeaseTimes changes every lease of the App, the embedded broker's

@@ -85,7 +85,6 @@ func parseLayer(s string) (layer, error) {
 // withoutLayer replaces l's entry point in a.entry by the naive code the
 // article warns against; an empty l changes nothing.
 func (a *App) withoutLayer(l layer) {
-	a.without = l
 	switch l {
 	case layerIdempotency:
 		a.entry.createOrder = a.createOrderWithoutKey
@@ -93,7 +92,18 @@ func (a *App) withoutLayer(l layer) {
 		a.entry.createOrder = a.createOrderDualWrite
 	case layerInbox:
 		a.entry.receiveIn = receiveWithoutInbox
+	case layerSaga:
+		a.entry.compensate = a.compensateNothing
 	}
+}
+
+// compensateNothing is demo --without saga: a saga whose step failed just
+// ends, and the order is cancelled; nothing done before is undone.
+func (a *App) compensateNothing(ctx context.Context, run *sagaRun) error {
+	if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+		return err
+	}
+	return a.observeCompensation(ctx, run, sagaStepRow{}, a.cancelOrder)
 }
 
 // createOrderWithoutKey is demo --without idempotency: the order and its
