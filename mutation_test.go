@@ -37,7 +37,7 @@ func mutations() []mutation {
 			name:  "SagaWritesUnfenced",
 			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
 			edits: []mutationEdit{
-				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
+				{"infra_saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
 				{"saga.go", "\tif err := oneRowOr(advanced, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = advanced"},
 				{"saga.go", "\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = failed"},
