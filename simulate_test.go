@@ -16,18 +16,21 @@ import (
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
-// TestSimulation runs; CI runs more than the default.
+// TestSimulation runs; CI runs 2000 (.ci/run).
 const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
+
+// defaultSimulationSeeds is how many seeds go test ./... runs: a short run
+// (a few seconds) that keeps the simulator working in the learner's loop of
+// changing one line and running the tests. Finding a new fault takes
+// thousands of seeds, which CI runs.
+const defaultSimulationSeeds = 20
 
 // Ensure that, for every seed, a run of clients, workers, crashes, pauses,
 // clock jumps and lost responses keeps every invariant after every step, and
 // every promise to the clients once quiet. A failure prints the seed, the
 // step and the trace; `retrysafe simulate --seed N` replays it.
 func TestSimulation(t *testing.T) {
-	seeds := 200
-	if testing.Short() {
-		seeds = 20
-	}
+	seeds := defaultSimulationSeeds
 	if v := os.Getenv(simulationSeedsEnv); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {
