@@ -21,7 +21,7 @@ const mutationsEnv = "RETRYSAFE_MUTATIONS"
 // whose code has moved on fails loudly instead of testing nothing.
 type mutation struct {
 	name  string
-	fault string // what it puts back, as the README's flaw tables name it
+	fault string // what it puts back, as the flaw tables of docs/sample-flaws.md and docs/faults-found.md name it
 	edits []mutationEdit
 }
 

@@ -11,7 +11,7 @@ import (
 	"time"
 )
 
-// Ensure the drill of README "Operate it" works as written: with the
+// Ensure the drill of "Operate it" (docs/operate-and-repair.md) works as written: with the
 // broker down, an order's OrderCreated waits in the outbox (the backlog and
 // its age show on /metrics), then fails after its attempts and check names
 // it; once the broker is back, outbox retry releases it, the backlog

@@ -1024,16 +1024,16 @@ func TestAdminAPI(t *testing.T) {
 	})
 }
 
-// Ensure every command and flag in the README's "Repair what was set
+// Ensure every command and flag in docs/operate-and-repair.md's "Repair what was set
 // aside" section exists, and every admin endpoint it lists is routed.
-func TestREADMERepairSection(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
+func TestDocsRepairSection(t *testing.T) {
+	readme, err := os.ReadFile("docs/operate-and-repair.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, section, ok := strings.Cut(string(readme), "## Repair what was set aside\n")
 	if !ok {
-		t.Fatal("README has no section \"Repair what was set aside\"")
+		t.Fatal("docs/operate-and-repair.md has no section \"Repair what was set aside\"")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 
@@ -1052,11 +1052,11 @@ func TestREADMERepairSection(t *testing.T) {
 		commands++
 		cmd, rest, err := newRootCommand().Find(fields[1:])
 		if err != nil || cmd.Name() != fields[2] {
-			t.Fatalf("README names %q, which is no command (%v)", line, err)
+			t.Fatalf("docs/operate-and-repair.md names %q, which is no command (%v)", line, err)
 		}
 		for _, word := range rest {
 			if name, ok := strings.CutPrefix(word, "--"); ok && cmd.Flags().Lookup(name) == nil {
-				t.Errorf("README gives %s the flag --%s, which it does not have", cmd.CommandPath(), name)
+				t.Errorf("docs/operate-and-repair.md gives %s the flag --%s, which it does not have", cmd.CommandPath(), name)
 			}
 		}
 	}
@@ -1070,7 +1070,7 @@ func TestREADMERepairSection(t *testing.T) {
 			}
 		}
 		if !found {
-			t.Errorf("README names --%s, which no repair command has", name)
+			t.Errorf("docs/operate-and-repair.md names --%s, which no repair command has", name)
 		}
 	}
 	if commands < 6 {
@@ -1087,7 +1087,7 @@ func TestREADMERepairSection(t *testing.T) {
 		path := regexp.MustCompile(`\{([a-z_]+)\}`).ReplaceAllString(endpoint[2], "$1") + endpoint[3]
 		r := adminCall(t, ts, endpoint[1], path, testAdminKey, "")
 		if r.Status == http.StatusMethodNotAllowed || strings.Contains(r.Body, "no admin route") {
-			t.Errorf("README lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
+			t.Errorf("docs/operate-and-repair.md lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
 		}
 	}
 }
