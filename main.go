@@ -37,6 +37,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 )
 
@@ -258,7 +259,7 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string,
 	// It runs at return, once the requests and loops are done: it flushes
 	// their last spans.
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
@@ -382,7 +383,7 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
@@ -435,21 +436,50 @@ func (drill drillFlags) check(brokerURL string) error {
 // startProcess readies app for a long-running process (serve, relay,
 // worker): its leases, its broker, its consumers' subscriptions. It returns
 // what closes the broker.
-func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string) (func(), error) {
+func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string, logger *slog.Logger) (func(), error) {
 	app.setLeaseTimes(scaledLeaseTimes(drill.leaseScale))
 	if embedded, ok := app.broker.(*embeddedBroker); ok {
 		embedded.down = drill.brokerDown
 	}
-	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
-	if err != nil {
-		return nil, err
+	if brokerURL == "" {
+		return func() {}, app.subscribeConsumers(ctx)
 	}
-	if err := app.subscribeConsumers(ctx); err != nil {
-		closeBroker()
-		return nil, err
+	// A NATS cluster answers stream and consumer requests only once they
+	// have a leader: a new stream of three replicas, or one whose leader
+	// just died, elects one in 4 to 9 s. A process that starts meanwhile
+	// waits, instead of exiting (JetStream's default of 5 s per request
+	// would have it give up before the election ends).
+	giveUp := time.Now().Add(natsStartPatience)
+	for {
+		attemptCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		closeBroker, err := useBroker(attemptCtx, app, brokerURL, stream)
+		if err == nil {
+			err = app.subscribeConsumers(attemptCtx)
+			if err != nil {
+				closeBroker()
+			}
+		}
+		cancel()
+		if err == nil {
+			return closeBroker, nil
+		}
+		// No server answering at all is a wrong --broker more often than
+		// an election: say so at once.
+		if errors.Is(err, nats.ErrNoServers) || time.Now().After(giveUp) || ctx.Err() != nil {
+			return nil, err
+		}
+		logger.Warn("NATS JetStream is not ready; trying again", "error", err.Error())
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
 	}
-	return closeBroker, nil
 }
+
+// natsStartPatience is how long a starting process keeps trying to set up
+// its NATS stream and consumers before it gives up and exits.
+const natsStartPatience = 2 * time.Minute
 
 // natsStream is the JetStream stream retrysafe publishes to.
 const natsStream = "RETRYSAFE"
