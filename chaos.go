@@ -74,6 +74,12 @@ type chaosConfig struct {
 	// a free loopback port (and restarts it during outages) instead of
 	// using BrokerURL.
 	NATSServer string
+	// NATSCluster makes NATSServer a three-node JetStream cluster, with
+	// sync_interval: always where the server knows it and the stream at
+	// three replicas; the NATS nemeses below then count how often each of
+	// the cluster's faults is injected (chaos_nats.go).
+	NATSCluster                                                          bool
+	NATSLeaderKills, NATSLeaderPauses, NATSTruncations, NATSFullRestarts int
 	// Progress receives a progress line, or is nil.
 	Progress io.Writer
 }
@@ -264,6 +270,13 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	if err := checkBrokerURL(cfg.BrokerURL); err != nil {
 		return report, err
 	}
+	natsNemeses := cfg.NATSLeaderKills + cfg.NATSLeaderPauses + cfg.NATSTruncations + cfg.NATSFullRestarts
+	if cfg.NATSCluster && cfg.NATSServer == "" {
+		return report, errors.New("--nats-cluster starts a cluster of the run's own: name its binary with --nats-server")
+	}
+	if natsNemeses > 0 && !cfg.NATSCluster {
+		return report, errors.New("the NATS nemeses (--nats-leader-kills, --nats-leader-pauses, --nats-truncations, --nats-full-restarts) need --nats-cluster")
+	}
 	if err := prepareChaosDB(ctx, cfg.DBPath); err != nil {
 		return report, err
 	}
@@ -298,7 +311,17 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	}
 	brokerURL := cfg.BrokerURL
 	var nats *privateNATS
-	if cfg.NATSServer != "" {
+	var cluster *natsCluster
+	switch {
+	case cfg.NATSCluster:
+		cluster, err = startNATSCluster(ctx, cfg.NATSServer, filepath.Join(stateDir, "nats"), natsClusterReplicas, true, log)
+		if err != nil {
+			return report, err
+		}
+		defer cluster.stop()
+		brokerURL = cluster.url()
+		report.Faults.NATSSyncAlways = cluster.syncAlways
+	case cfg.NATSServer != "":
 		nats, err = startPrivateNATS(ctx, cfg.NATSServer, stateDir, log)
 		if err != nil {
 			return report, err
@@ -319,6 +342,11 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		stream = fmt.Sprintf("CHAOS%d_%d", cfg.Seed, time.Now().UnixNano())
 		common = append(common, "--broker", brokerURL, "--nats-stream", stream)
 		defer deleteNATSStream(log, brokerURL, stream)
+	}
+	if cluster != nil {
+		// The processes read the servers' sync policy at start and log a
+		// warning if it is lazy.
+		common = append(common, "--nats-monitor", cluster.monitorURL())
 	}
 	var processes []*chaosProcess
 	var bases []string
@@ -429,6 +457,15 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		defer nemeses.Done()
 		runPauses(ctx, cfg.Seed, cfg.Pauses, processes, leases, &report.Faults)
 	}()
+	if cluster != nil && natsNemeses > 0 {
+		nemeses.Add(1)
+		go func() {
+			defer nemeses.Done()
+			if err := runNATSNemeses(ctx, cfg, cluster, stream, &report.Faults.NATS, &faultsMu); err != nil {
+				run.violation("NATS nemesis: %v", err)
+			}
+		}()
+	}
 	report.Faults.OutageLength = outageLength(leases)
 	outages := make(chan struct{}, cfg.Outages)
 	nemeses.Add(1)
@@ -777,6 +814,18 @@ func printChaosReport(w io.Writer, r chaosReport) {
 	}
 	row("database outages", outages)
 	row("clock jumps (every process, past the key TTL)", fmt.Sprintf("%d (+%s each)", r.Faults.ClockJumps, clockJump))
+	if n := r.Faults.NATS; n != (natsClusterFaults{}) || r.Faults.NATSSyncAlways {
+		sync := "sync_interval: always"
+		if !r.Faults.NATSSyncAlways {
+			sync = "the server's default sync"
+		}
+		row("NATS cluster of 3, stream at 3 replicas", sync)
+		row("  stream leader SIGKILLed and restarted", n.LeaderKills)
+		row("  stream leader paused past the election", fmt.Sprintf("%d (SIGSTOP for %s)", n.LeaderPauses, natsLeaderPause))
+		row("  follower restarted with truncated files", fmt.Sprintf("%d (%d bytes cut)", n.Truncations, n.BytesTruncated))
+		row("  all three SIGKILLed and restarted at once", n.FullRestarts)
+		row("  longest wait for every replica current", n.LongestRecovery.Round(100*time.Millisecond))
+	}
 	fmt.Fprintln(w, "what the clients sent")
 	row("refunds (200 / refused)", fmt.Sprintf("%d (%d / %d)", r.RefundRequests, r.RefundOK, r.RefundRefused))
 	row("webhooks (applied / duplicate / poison / 4xx)", fmt.Sprintf("%d (%d / %d / %d / %d)", r.WebhooksSent, r.WebhookApplied, r.WebhookDuplicate, r.WebhookPoison, r.WebhookRejected))
@@ -836,8 +885,9 @@ func newChaosCommand() *cobra.Command {
 			if cfg.Orders <= 0 || cfg.Clients <= 0 || cfg.Duration <= 0 || cfg.Serves <= 0 || cfg.Relays <= 0 || cfg.Workers <= 0 {
 				return errors.New("--orders, --clients, --duration, --serves, --relays and --workers must be positive")
 			}
-			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 {
-				return errors.New("--kills, --pauses, --outages and --clock-jumps must not be negative")
+			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 ||
+				cfg.NATSLeaderKills < 0 || cfg.NATSLeaderPauses < 0 || cfg.NATSTruncations < 0 || cfg.NATSFullRestarts < 0 {
+				return errors.New("--kills, --pauses, --outages, --clock-jumps and the --nats-* fault counts must not be negative")
 			}
 			binary, err := os.Executable()
 			if err != nil {
@@ -868,6 +918,8 @@ func newChaosCommand() *cobra.Command {
 			cfg.Progress = underTerminalWriter(cmd.OutOrStdout())
 			broker := "the embedded broker"
 			switch {
+			case cfg.NATSCluster:
+				broker = "a three-node NATS cluster of its own (" + cfg.NATSServer + ")"
 			case cfg.NATSServer != "":
 				broker = "a NATS server of its own (" + cfg.NATSServer + ")"
 			case cfg.BrokerURL != "":
@@ -897,8 +949,13 @@ func newChaosCommand() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.Serves, "serves", 1, "serve processes (clients are spread across them)")
 	cmd.Flags().IntVar(&cfg.Relays, "relays", 1, "relay processes")
 	cmd.Flags().IntVar(&cfg.Workers, "workers", 1, "worker processes")
-	cmd.Flags().StringVar(&cfg.BrokerURL, "broker", "", "NATS JetStream URL instead of the embedded broker")
+	cmd.Flags().StringVar(&cfg.BrokerURL, "broker", "", "NATS JetStream URL, or a cluster's URLs separated by commas, instead of the embedded broker")
 	cmd.Flags().StringVar(&cfg.NATSServer, "nats-server", "", "nats-server binary: start a NATS JetStream server of the run's own on a free loopback port, and restart it during outages (instead of --broker)")
+	cmd.Flags().BoolVar(&cfg.NATSCluster, "nats-cluster", false, "with --nats-server: start a three-node JetStream cluster on loopback (sync_interval: always where the server knows it, the stream at 3 replicas)")
+	cmd.Flags().IntVar(&cfg.NATSLeaderKills, "nats-leader-kills", 0, "with --nats-cluster: times to SIGKILL the stream's leader and restart it")
+	cmd.Flags().IntVar(&cfg.NATSLeaderPauses, "nats-leader-pauses", 0, "with --nats-cluster: times to pause (SIGSTOP) the stream's leader past the election timeout")
+	cmd.Flags().IntVar(&cfg.NATSTruncations, "nats-truncations", 0, "with --nats-cluster: times to SIGKILL a follower, truncate its stream files and restart it")
+	cmd.Flags().IntVar(&cfg.NATSFullRestarts, "nats-full-restarts", 0, "with --nats-cluster: times to SIGKILL all three servers at once and restart them")
 	cmd.Flags().IntVar(&cfg.Pauses, "pauses", 0, "processes to pause (SIGSTOP) past their leases, then continue")
 	cmd.Flags().IntVar(&cfg.Outages, "outages", 0, "database outages longer than MaxDeliver x AckWait (SQLite: a held write lock; PostgreSQL: the run's backends terminated)")
 	cmd.Flags().IntVar(&cfg.ClockJumps, "clock-jumps", 0, "times every process's clock jumps past the idempotency key TTL; clients then reuse expired keys")

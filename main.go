@@ -37,6 +37,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 )
 
@@ -130,7 +131,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL, stream, metricsAddr, logFormatFlag string
+	var dbPath, addr, durabilityFlag, brokerURL, stream, natsMonitor, metricsAddr, logFormatFlag string
 	var workers bool
 	var drill drillFlags
 	var clock chaosClockFlags
@@ -147,7 +148,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, metricsAddr, workers, d, brokerURL, stream, drill, clock, format)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, metricsAddr, workers, d, brokerURL, stream, natsMonitor, drill, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -156,6 +157,7 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced; either way concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
+	addNATSMonitorFlag(cmd, &natsMonitor)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9100")
@@ -210,7 +212,7 @@ func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSe
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string, workers bool, d durability, brokerURL, stream, natsMonitor string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
 	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
@@ -257,11 +259,14 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string,
 	// It runs at return, once the requests and loops are done: it flushes
 	// their last spans.
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
+	if err := warnNATSDurability(ctx, app, natsMonitor, logger); err != nil {
+		return err
+	}
 	app.log = logger
 	if metricsListener != nil {
 		app.enableMetrics()
@@ -320,7 +325,7 @@ func newWorkerCommand() *cobra.Command {
 // process of its own beside serve.
 func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
-	var dbPath, brokerURL, stream, metricsAddr, logFormatFlag string
+	var dbPath, brokerURL, stream, natsMonitor, metricsAddr, logFormatFlag string
 	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
@@ -332,11 +337,12 @@ func newLoopCommand(role, short string,
 			if err != nil {
 				return err
 			}
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, drill, clock, metricsAddr, format, start)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, natsMonitor, drill, clock, metricsAddr, format, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
+	addNATSMonitorFlag(cmd, &natsMonitor)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9101")
@@ -346,7 +352,7 @@ func newLoopCommand(role, short string,
 
 // runLoops runs the loops that start starts until ctx is done, and serves
 // their metrics on metricsAddr unless it is empty.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream, natsMonitor string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
 	if err := drill.check(brokerURL); err != nil {
 		return err
@@ -377,11 +383,14 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
+	if err := warnNATSDurability(ctx, app, natsMonitor, logger); err != nil {
+		return err
+	}
 	var loops sync.WaitGroup
 	app.log = logger
 	if metricsListener != nil {
@@ -427,21 +436,50 @@ func (drill drillFlags) check(brokerURL string) error {
 // startProcess readies app for a long-running process (serve, relay,
 // worker): its leases, its broker, its consumers' subscriptions. It returns
 // what closes the broker.
-func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string) (func(), error) {
+func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string, logger *slog.Logger) (func(), error) {
 	app.setLeaseTimes(scaledLeaseTimes(drill.leaseScale))
 	if embedded, ok := app.broker.(*embeddedBroker); ok {
 		embedded.down = drill.brokerDown
 	}
-	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
-	if err != nil {
-		return nil, err
+	if brokerURL == "" {
+		return func() {}, app.subscribeConsumers(ctx)
 	}
-	if err := app.subscribeConsumers(ctx); err != nil {
-		closeBroker()
-		return nil, err
+	// A NATS cluster answers stream and consumer requests only once they
+	// have a leader: a new stream of three replicas, or one whose leader
+	// just died, elects one in 4 to 9 s. A process that starts meanwhile
+	// waits, instead of exiting (JetStream's default of 5 s per request
+	// would have it give up before the election ends).
+	giveUp := time.Now().Add(natsStartPatience)
+	for {
+		attemptCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		closeBroker, err := useBroker(attemptCtx, app, brokerURL, stream)
+		if err == nil {
+			err = app.subscribeConsumers(attemptCtx)
+			if err != nil {
+				closeBroker()
+			}
+		}
+		cancel()
+		if err == nil {
+			return closeBroker, nil
+		}
+		// No server answering at all is a wrong --broker more often than
+		// an election: say so at once.
+		if errors.Is(err, nats.ErrNoServers) || time.Now().After(giveUp) || ctx.Err() != nil {
+			return nil, err
+		}
+		logger.Warn("NATS JetStream is not ready; trying again", "error", err.Error())
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
 	}
-	return closeBroker, nil
 }
+
+// natsStartPatience is how long a starting process keeps trying to set up
+// its NATS stream and consumers before it gives up and exits.
+const natsStartPatience = 2 * time.Minute
 
 // natsStream is the JetStream stream retrysafe publishes to.
 const natsStream = "RETRYSAFE"
@@ -450,7 +488,7 @@ const natsStream = "RETRYSAFE"
 // database: its durable consumers would hand a new database the old one's
 // events.
 func addBrokerFlags(cmd *cobra.Command, url, stream *string) {
-	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker")
+	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222), or a cluster's URLs separated by commas, instead of the embedded broker")
 	cmd.Flags().StringVar(stream, "nats-stream", natsStream, "JetStream stream name with --broker; one stream per database")
 }
 
@@ -463,12 +501,50 @@ func brokerName(url, stream string) string {
 }
 
 // checkBrokerURL returns an error unless url is empty (the embedded broker)
-// or a nats:// URL. Commands check it before they touch the database.
+// or nats:// URLs separated by commas (the servers of one cluster).
+// Commands check it before they touch the database.
 func checkBrokerURL(url string) error {
-	if url != "" && !strings.HasPrefix(url, "nats://") {
-		return fmt.Errorf("--broker %q: want a nats:// URL", url)
+	if url == "" {
+		return nil
+	}
+	for _, server := range strings.Split(url, ",") {
+		if !strings.HasPrefix(strings.TrimSpace(server), "nats://") {
+			return fmt.Errorf("--broker %q: want a nats:// URL, or several separated by commas", url)
+		}
 	}
 	return nil
+}
+
+// addNATSMonitorFlag adds --nats-monitor, which serve, relay and worker
+// read the servers' sync policy from at start.
+func addNATSMonitorFlag(cmd *cobra.Command, monitor *string) {
+	cmd.Flags().StringVar(monitor, "nats-monitor", "",
+		"with --broker: the NATS servers' HTTP monitoring URLs (http://127.0.0.1:8222), separated by commas, to warn at start if one acknowledges publishes before they are on disk")
+}
+
+// warnNATSDurability logs a warning for each setting of the NATS stream or
+// servers that lets the broker lose what it acknowledged (see
+// natsDurabilityWarnings). A process starts anyway: the settings are the
+// operator's to choose, and the warning says what each costs.
+func warnNATSDurability(ctx context.Context, app *App, monitor string, logger *slog.Logger) error {
+	broker, ok := app.broker.(*natsBroker)
+	if !ok {
+		if monitor != "" {
+			return errors.New("--nats-monitor needs --broker")
+		}
+		return nil
+	}
+	var monitorURLs []string
+	for _, monitorURL := range strings.Split(monitor, ",") {
+		if monitorURL = strings.TrimSpace(monitorURL); monitorURL != "" {
+			monitorURLs = append(monitorURLs, monitorURL)
+		}
+	}
+	warnings, err := natsDurabilityWarnings(ctx, broker, monitorURLs)
+	for _, warning := range warnings {
+		logger.Warn(warning.Message, "setting", warning.Setting)
+	}
+	return err
 }
 
 // useBroker switches app to NATS JetStream and stream if url is set, and
