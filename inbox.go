@@ -341,6 +341,9 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
 			processed[i] = span.SpanContext()
 			result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+				if err := a.fault.at(processCtx, faultConsumerApply); err != nil {
+					return err
+				}
 				return c.apply(processCtx, tx, d.message)
 			})
 			endProcessSpan(span, result, err)
