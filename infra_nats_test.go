@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -628,4 +629,79 @@ func BenchmarkNATSPublish(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/batch")
 		})
 	}
+}
+
+// mustPublishFailWithin publishes one message and fails tb unless the
+// publish fails within limit.
+func mustPublishFailWithin(tb testing.TB, broker *natsBroker, limit time.Duration) {
+	tb.Helper()
+	published := make(chan error, 1)
+	started := time.Now()
+	go func() {
+		published <- broker.publishBatch(context.Background(), []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}})
+	}()
+	select {
+	case err := <-published:
+		if err == nil {
+			tb.Fatal("the publish succeeded; want it to fail")
+		}
+		tb.Logf("the publish failed after %s: %v", time.Since(started).Round(100*time.Millisecond), err)
+	case <-time.After(limit):
+		tb.Fatalf("the publish still waits after %s", limit)
+	}
+}
+
+// stopNode stops node with SIGSTOP until the test ends.
+func stopNode(tb testing.TB, node *natsNode) {
+	tb.Helper()
+	node.mu.Lock()
+	process := node.cmd.Process
+	node.mu.Unlock()
+	if err := process.Signal(syscall.SIGSTOP); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { process.Signal(syscall.SIGCONT) })
+}
+
+func TestNATSStalledServer(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a publish to a server that stopped answering (SIGSTOP, or a
+	// host gone without closing its connections) fails within seconds:
+	// the client's pings go unanswered and it drops the connection, so
+	// the relay records the failure and retries.
+	t.Run("PublishToStoppedServerFails", func(t *testing.T) {
+		cluster := startTestNATS(t, 1, false)
+		broker, err := openNATSBroker(ctx, cluster.url(), "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		stopNode(t, cluster.nodes[0])
+		mustPublishFailWithin(t, broker, 2*natsPublishTimeout)
+	})
+
+	// Ensure a publish through a healthy server of a cluster, to a stream
+	// whose leader stopped answering, fails after natsPublishTimeout: the
+	// connection stays up, so only the publish's own timeout ends the
+	// wait for an acknowledgement that will never come.
+	t.Run("PublishToStoppedLeaderFails", func(t *testing.T) {
+		cluster := startTestNATS(t, 3, false)
+		creator, err := openNATSBroker(ctx, cluster.url(), "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		creator.close()
+		_, leader, followers, err := cluster.streamCluster(ctx, "STALLED")
+		if err != nil {
+			t.Fatal(err)
+		}
+		broker, err := openNATSBroker(ctx, "nats://"+followers[0].clientAddr, "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		stopNode(t, leader)
+		mustPublishFailWithin(t, broker, 2*natsPublishTimeout)
+	})
 }
