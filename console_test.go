@@ -899,17 +899,17 @@ func TestConsole(t *testing.T) {
 	})
 }
 
-// Ensure every console route the README's "The console" section names is
+// Ensure every console route docs/console.md's "The console" section names is
 // routed, every button it names in bold is a button of the page, and
 // every command it compares a button to exists.
-func TestREADMEConsoleSection(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
+func TestDocsConsoleSection(t *testing.T) {
+	readme, err := os.ReadFile("docs/console.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, section, ok := strings.Cut(string(readme), "## The console\n")
 	if !ok {
-		t.Fatal("README has no section \"The console\"")
+		t.Fatal("docs/console.md has no section \"The console\"")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 
@@ -930,7 +930,7 @@ func TestREADMEConsoleSection(t *testing.T) {
 		}
 		r := c.do(t, route[1], path, form, nil)
 		if r.Status == http.StatusMethodNotAllowed || r.Status == http.StatusForbidden || strings.Contains(r.Body, "no console route") {
-			t.Errorf("README lists %s %s, which is not routed: %d %s", route[1], route[2], r.Status, r.Body)
+			t.Errorf("docs/console.md lists %s %s, which is not routed: %d %s", route[1], route[2], r.Status, r.Body)
 		}
 	}
 
@@ -942,7 +942,7 @@ func TestREADMEConsoleSection(t *testing.T) {
 	for _, bold := range regexp.MustCompile(`\*\*([a-z ]+)\*\* button`).FindAllStringSubmatch(section, -1) {
 		buttons++
 		if !strings.Contains(string(html), `>`+bold[1]+`</button>`) {
-			t.Errorf("README names the button %q, which the page does not have", bold[1])
+			t.Errorf("docs/console.md names the button %q, which the page does not have", bold[1])
 		}
 	}
 	if buttons != 4 {
@@ -959,12 +959,12 @@ func TestREADMEConsoleSection(t *testing.T) {
 		path := strings.Fields(m[1])
 		cmd, _, err := newRootCommand().Find(path)
 		if err != nil || cmd.CommandPath() != "retrysafe "+strings.Join(path, " ") {
-			t.Errorf("README names retrysafe %s, which is no command (%v)", m[1], err)
+			t.Errorf("docs/console.md names retrysafe %s, which is no command (%v)", m[1], err)
 			continue
 		}
 		for _, flag := range strings.Fields(m[2]) {
 			if cmd.Flags().Lookup(strings.TrimPrefix(flag, "--")) == nil {
-				t.Errorf("README gives %s the flag %s, which it does not have", cmd.CommandPath(), flag)
+				t.Errorf("docs/console.md gives %s the flag %s, which it does not have", cmd.CommandPath(), flag)
 			}
 		}
 	}

@@ -406,8 +406,8 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	return nil
 }
 
-// drillFlags are --lease-scale and --broker-down, for drills: README
-// "Operate it" breaks the broker and shortens every wait so that a
+// drillFlags are --lease-scale and --broker-down, for drills: the drill of
+// docs/operate-and-repair.md breaks the broker and shortens every wait so that a
 // publish gives up in seconds, and the chaos run shortens every lease so
 // that a killed process's work is taken over within seconds.
 type drillFlags struct {

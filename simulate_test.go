@@ -3,53 +3,142 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
-// TestSimulation runs; CI runs more than the default.
+// TestSimulation runs; CI runs 2000 (.ci/run).
 const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
+
+// simulationSeedsPostgresEnv sets how many seeds TestSimulation runs when
+// RETRYSAFE_TEST_POSTGRES is set. A schema per seed, and a server that
+// answers over a socket, make a seed cost about ten times what it does on
+// SQLite, so the default is small; CI runs a few hundred.
+const simulationSeedsPostgresEnv = "RETRYSAFE_SIM_SEEDS_POSTGRES"
+
+// defaultSimulationSeeds is how many seeds go test ./... runs: a short run
+// (a few seconds) that keeps the simulator working in the learner's loop of
+// changing one line and running the tests. Finding a new fault takes
+// thousands of seeds, which CI runs.
+const defaultSimulationSeeds = 20
 
 // Ensure that, for every seed, a run of clients, workers, crashes, pauses,
 // clock jumps and lost responses keeps every invariant after every step, and
 // every promise to the clients once quiet. A failure prints the seed, the
 // step and the trace; `retrysafe simulate --seed N` replays it.
 func TestSimulation(t *testing.T) {
-	seeds := 200
-	if testing.Short() {
-		seeds = 20
+	seeds := defaultSimulationSeeds
+	seedsEnv := simulationSeedsEnv
+	if onPostgres() {
+		seeds, seedsEnv = 5, simulationSeedsPostgresEnv
 	}
-	if v := os.Getenv(simulationSeedsEnv); v != "" {
+	if v := os.Getenv(seedsEnv); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {
-			t.Fatalf("%s=%q: want a number of seeds", simulationSeedsEnv, v)
+			t.Fatalf("%s=%q: want a number of seeds", seedsEnv, v)
 		}
 		seeds = n
 	}
+	workers := 1
 	if onPostgres() {
-		// A schema per seed costs more than the run itself.
-		seeds = min(seeds, 20)
+		workers = simulationPostgresWorkers
 	}
-	ctx := context.Background()
-	for seed := uint64(1); seed <= uint64(seeds); seed++ {
-		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: simulationDatabase(t)})
-		if err != nil {
-			t.Fatalf("seed %d: %v", seed, err)
-		}
+	reports, err := simulateSeeds(context.Background(), seeds, workers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var total simCounts
+	for _, report := range reports {
 		if report.Failure != "" {
-			t.Fatalf("seed %d failed at step %d: %s\nreplay: go run . simulate --seed %d --steps %d\n%s",
-				seed, report.FailureStep, report.Failure, seed, simulationSteps, strings.Join(report.Trace, "\n"))
+			t.Fatalf("seed %d failed at step %d: %s\nreplay: %s\n%s",
+				report.Seed, report.FailureStep, report.Failure, simulationReplay(report.Seed), strings.Join(report.Trace, "\n"))
+		}
+		total.add(report.Counts)
+	}
+	t.Logf("%d seeds: %d requests, %d crashes, %d database outages, %d lost commit answers%s",
+		seeds, total.Requests, total.Crashes, total.Outages, total.LostCommits, total.summary(onPostgres()))
+}
+
+// simulationPostgresWorkers is how many seeds TestSimulation runs at once on
+// PostgreSQL. A run there spends most of its time waiting for the server (a
+// round trip per statement, and the in-flight audit's queries after every
+// step), so runs of different seeds, each alone in its schema and each as
+// deterministic as it is alone, overlap well even on two cores.
+const simulationPostgresWorkers = 4
+
+// simulateSeeds runs seeds 1 to seeds, workers at a time, each on a new
+// database, and returns the reports of those that ran, in seed order. Once
+// a seed fails no new one starts; the seeds already running end their
+// runs, so the first failure among the reports is the lowest failing seed
+// of those that ran. It returns an error if a run could not start or its
+// database could not be removed.
+func simulateSeeds(ctx context.Context, seeds, workers int) ([]simReport, error) {
+	reports := make([]simReport, seeds)
+	errs := make([]error, seeds)
+	var failed atomic.Bool
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range workers {
+		// Each worker returns once next is closed.
+		wg.Go(func() {
+			for i := range next {
+				path, remove, err := simulationDatabase()
+				if err != nil {
+					errs[i] = err
+					failed.Store(true)
+					continue
+				}
+				reports[i], errs[i] = simulateOnce(ctx, simOptions{seed: uint64(i + 1), steps: simulationSteps, path: path})
+				if err := remove(); err != nil && errs[i] == nil {
+					errs[i] = err
+				}
+				if errs[i] != nil || reports[i].Failure != "" {
+					failed.Store(true)
+				}
+			}
+		})
+	}
+	// Seeds are handed out in order and every seed handed out runs to its
+	// end, so those that ran are 1 to ran.
+	ran := 0
+	for ; ran < seeds && !failed.Load(); ran++ {
+		next <- ran
+	}
+	close(next)
+	wg.Wait()
+	for i := range ran {
+		if errs[i] != nil {
+			return nil, fmt.Errorf("seed %d: %w", i+1, errs[i])
 		}
 	}
+	return reports[:ran], nil
+}
+
+// simulationReplay is the command that replays seed: on PostgreSQL, into
+// an empty database the command names.
+func simulationReplay(seed uint64) string {
+	if onPostgres() {
+		return fmt.Sprintf("createdb sim%d && go run . simulate --seed %d --steps %d --trace --db postgres://.../sim%d",
+			seed, seed, simulationSteps, seed)
+	}
+	return fmt.Sprintf("go run . simulate --seed %d --steps %d --trace", seed, simulationSteps)
 }
 
 // Ensure a seed gives the same run twice, byte for byte.
@@ -57,7 +146,14 @@ func TestSimulationIsDeterministic(t *testing.T) {
 	ctx := context.Background()
 	var traces [2]string
 	for i := range traces {
-		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: simulationDatabase(t)})
+		path, remove, err := simulationDatabase()
+		if err != nil {
+			t.Fatal(err)
+		}
+		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: path})
+		if err := remove(); err != nil {
+			t.Error(err)
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -68,13 +164,31 @@ func TestSimulationIsDeterministic(t *testing.T) {
 	}
 }
 
-// simulationDatabase returns a new database for one simulated run: a
-// SQLite file, or with RETRYSAFE_TEST_POSTGRES a PostgreSQL schema (the
-// simulator runs one coroutine at a time and never waits inside a
-// transaction, so it is as deterministic there).
-func simulationDatabase(tb testing.TB) string {
-	tb.Helper()
-	return testDatabase(tb)
+// simulationDatabase returns a new database for one simulated run, and a
+// function that removes it once the run is over: "" for a temporary SQLite
+// file (simulateOnce removes it), or with RETRYSAFE_TEST_POSTGRES a
+// PostgreSQL schema (the simulator runs one coroutine at a time and never
+// waits inside a transaction, so it is as deterministic there). Its
+// connections do not wait for the WAL to reach the disk
+// (synchronous_commit=off): the simulator never crashes the server, and an
+// fsync per commit on a shared CI machine made a seed cost seconds.
+func simulationDatabase() (string, func() error, error) {
+	base := os.Getenv(testPostgresEnv)
+	if base == "" {
+		return "", func() error { return nil }, nil
+	}
+	u, err := url.Parse(base)
+	if err != nil {
+		return "", nil, fmt.Errorf("%s: %w", testPostgresEnv, err)
+	}
+	query := u.Query()
+	query.Set("synchronous_commit", "off")
+	u.RawQuery = query.Encode()
+	schemaURL, drop, err := createTestSchema(u.String())
+	if err != nil {
+		return "", nil, fmt.Errorf("%s: %w", testPostgresEnv, err)
+	}
+	return schemaURL, drop, nil
 }
 
 // Ensure the simulated network does what the simulator claims: while the
@@ -183,4 +297,109 @@ func openSimTestDatabase(t *testing.T) (*simDatabase, *sql.DB, *sql.DB) {
 		db.Close()
 	})
 	return network, db, readers
+}
+
+// Ensure the simulator's PostgreSQL faults do what it claims, on a real
+// server: a backend terminated mid-transaction leaves nothing and is
+// reported as an unavailable database; a serialization failure or a
+// deadlock, at a statement or at COMMIT, is retried by withTx and leaves
+// the transaction's rows once; a commit whose answer is lost is committed
+// although its caller got an unavailable database; and the pool works on
+// afterwards.
+func TestSimulatedPostgresFaults(t *testing.T) {
+	if !onPostgres() {
+		t.Skipf("set %s to run the simulator's PostgreSQL faults against a server", testPostgresEnv)
+	}
+	ctx := context.Background()
+	rawURL := testDatabase(t)
+	direct, err := openPostgres(ctx, rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { direct.Close() })
+	config, err := pgx.ParseConfig(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each call of draw takes the next fault of script: one per statement
+	// of a transaction, and one per COMMIT.
+	var script []postgresFault
+	draw := func(commit bool) postgresFault {
+		if len(script) == 0 {
+			return postgresNoFault
+		}
+		fault := script[0]
+		script = script[1:]
+		return fault
+	}
+	s := &simulation{direct: direct}
+	db := s.openPostgresPool(rebindConnector{stdlib.GetConnector(*config)}, &simDatabase{}, draw)
+	t.Cleanup(func() { db.Close() })
+	if _, err := direct.ExecContext(ctx, `CREATE TABLE scratch (k TEXT)`); err != nil {
+		t.Fatal(err)
+	}
+	count := func(key string) int {
+		t.Helper()
+		var n int
+		if err := direct.QueryRowContext(ctx, `SELECT COUNT(*) FROM scratch WHERE k = ?`, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	// insertTwo writes two rows under key in one transaction (begun by
+	// begin), and returns how many times it ran.
+	insertTwo := func(begin func(context.Context, *sql.DB, func(*sql.Tx) error) error, key string) (int, error) {
+		runs := 0
+		err := begin(ctx, db, func(tx *sql.Tx) error {
+			runs++
+			for range 2 {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO scratch (k) VALUES (?)`, key); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		return runs, err
+	}
+
+	script = []postgresFault{postgresNoFault, postgresTerminate}
+	if _, err := insertTwo(withTx, "terminated"); !errors.Is(err, errSimTerminated) || !isDatabaseUnavailable(err) {
+		t.Fatalf("a transaction whose backend was terminated returned %v, want %v", err, errSimTerminated)
+	}
+	script = []postgresFault{postgresNoFault, postgresNoFault, postgresTerminate}
+	if _, err := insertTwo(withTx, "terminated-at-commit"); !errors.Is(err, errSimTerminated) {
+		t.Fatalf("a transaction whose backend was terminated before COMMIT returned %v, want %v", err, errSimTerminated)
+	}
+	if n := count("terminated") + count("terminated-at-commit"); n != 0 || s.report.Counts.Terminations != 2 {
+		t.Fatalf("terminated transactions left %d rows (%d terminations counted), want 0 rows and 2", n, s.report.Counts.Terminations)
+	}
+
+	for _, tc := range []struct {
+		name   string
+		begin  func(context.Context, *sql.DB, func(*sql.Tx) error) error
+		script []postgresFault
+	}{
+		{"serialization-failure", withTx, []postgresFault{postgresConflict}},
+		{"serialization-failure-at-commit", withTx, []postgresFault{postgresNoFault, postgresNoFault, postgresConflict}},
+		{"deadlock", withClaimTx, []postgresFault{postgresNoFault, postgresConflict}},
+	} {
+		script = tc.script
+		runs, err := insertTwo(tc.begin, tc.name)
+		if err != nil || runs != 2 || count(tc.name) != 2 {
+			t.Fatalf("%s: got %v after %d runs, %d rows; want the transaction run again, once, and its 2 rows", tc.name, err, runs, count(tc.name))
+		}
+	}
+	if c := s.report.Counts; c.SerializationFailures != 2 || c.Deadlocks != 1 {
+		t.Fatalf("counted %d serialization failures and %d deadlocks, want 2 and 1", c.SerializationFailures, c.Deadlocks)
+	}
+
+	script = []postgresFault{postgresNoFault, postgresNoFault, postgresLoseCommit}
+	runs, err := insertTwo(withTx, "lost-answer")
+	if !isDatabaseUnavailable(err) || runs != 1 || count("lost-answer") != 2 || s.report.Counts.LostCommits != 1 {
+		t.Fatalf("a commit whose answer was lost returned %v after %d runs, with %d rows (%d counted); want an unavailable database, 1 run, the 2 rows it committed, 1 counted",
+			err, runs, count("lost-answer"), s.report.Counts.LostCommits)
+	}
+	if _, err := insertTwo(withTx, "after"); err != nil || count("after") != 2 {
+		t.Fatalf("after the faults the pool returned %v with %d rows, want the 2 rows", err, count("after"))
+	}
 }

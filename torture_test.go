@@ -85,9 +85,11 @@ func withSoakFaults(cfg chaosConfig) chaosConfig {
 // no stock is lost or leaked, every saga ends, no client ever gets a 500,
 // and 'retrysafe check' passes.
 //
-// One run takes about half a minute. RETRYSAFE_SOAK=10m repeats runs with
-// new seeds for that long, with processes also paused past their leases,
-// a database outage and a clock jump past the key TTL in every run.
+// By default it makes one short run (400 orders, 8 kills: a few seconds),
+// enough to see a process killed mid-request and the system recover.
+// RETRYSAFE_SOAK=10m (CI sets 2m) repeats longer runs with new seeds for
+// that long, with processes also paused past their leases, a database
+// outage and a clock jump past the key TTL in every run.
 func TestTorture(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
@@ -100,9 +102,9 @@ func TestTorture(t *testing.T) {
 			Binary:   binary,
 			DBPath:   testDatabase(t),
 			LogPath:  filepath.Join(t.TempDir(), fmt.Sprintf("chaos-%d.log", seed)),
-			Orders:   2000,
-			Clients:  16,
-			Kills:    25,
+			Orders:   400,
+			Clients:  8,
+			Kills:    8,
 			Seed:     seed,
 			Duration: 4 * time.Minute,
 			Serves:   1,
@@ -111,7 +113,7 @@ func TestTorture(t *testing.T) {
 		}
 		if soak > 0 {
 			cfg = withSoakFaults(cfg)
-			cfg.Orders = 1500
+			cfg.Orders, cfg.Clients, cfg.Kills = 1500, 16, 25
 		}
 		report, err := runChaos(context.Background(), cfg)
 		var table bytes.Buffer
@@ -155,23 +157,34 @@ var natsClusterNemeses = []struct {
 // for longer than MaxDeliver x AckWait and every clock jumps; on NATS the
 // run then uses a nats-server of its own, which it restarts.
 //
+// It runs only with RETRYSAFE_SOAK set (CI sets it): seven processes take
+// most of a minute, too long for the default go test ./... . TestTorture
+// kills processes in every run.
+//
 // With RETRYSAFE_TEST_NATS_CLUSTER naming a nats-server binary, it also
-// runs on a three-node JetStream cluster of its own (the stream at three
-// replicas, sync_interval: always), once per cluster nemesis: the stream's
-// leader SIGKILLed, paused past the election timeout, a follower restarted
-// with its files truncated, all three SIGKILLed at once (chaos_nats.go).
+// runs (with or without RETRYSAFE_SOAK) on a three-node JetStream cluster
+// of its own (the stream at three replicas, sync_interval: always), once
+// per cluster nemesis: the stream's leader SIGKILLed, paused past the
+// election timeout, a follower restarted with its files truncated, all
+// three SIGKILLed at once (chaos_nats.go).
 func TestTortureScaleOut(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
 	}
 	soak := soakDuration(t)
-	brokers := []string{"embedded"}
-	if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
-		brokers = append(brokers, natsURL)
-	} else {
-		t.Log("RETRYSAFE_TEST_NATS is not set: the run on NATS JetStream is skipped")
-	}
 	natsCluster := os.Getenv("RETRYSAFE_TEST_NATS_CLUSTER")
+	if soak == 0 && natsCluster == "" {
+		t.Skip("seven processes for most of a minute: set RETRYSAFE_SOAK (for example 1s, one run) to run it, or RETRYSAFE_TEST_NATS_CLUSTER for the NATS cluster cases; CI does")
+	}
+	var brokers []string
+	if soak > 0 {
+		brokers = append(brokers, "embedded")
+		if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
+			brokers = append(brokers, natsURL)
+		} else {
+			t.Log("RETRYSAFE_TEST_NATS is not set: the run on NATS JetStream is skipped")
+		}
+	}
 	if natsCluster == "" {
 		t.Log("RETRYSAFE_TEST_NATS_CLUSTER is not set: the runs on a NATS cluster are skipped")
 	}
@@ -224,7 +237,7 @@ func TestTortureScaleOut(t *testing.T) {
 			if soak > 0 {
 				cfg = withSoakFaults(cfg)
 				cfg.Orders = 1000
-				if natsServer, err := exec.LookPath("nats-server"); err == nil && broker != "embedded" {
+				if natsServer, err := testNATSServerBinary(); err == nil && broker != "embedded" {
 					// Never the shared server: one the run may restart.
 					cfg.BrokerURL, cfg.NATSServer = "", natsServer
 				}
@@ -339,4 +352,14 @@ func unfinishedOrders(target string) string {
 		return "  (no order is still created)"
 	}
 	return out.String()
+}
+
+// testNATSServerBinary returns the nats-server binary that
+// RETRYSAFE_TEST_NATS_SERVER names (CI's pinned one), or else the one on
+// the PATH.
+func testNATSServerBinary() (string, error) {
+	if binary := os.Getenv("RETRYSAFE_TEST_NATS_SERVER"); binary != "" {
+		return binary, nil
+	}
+	return exec.LookPath("nats-server")
 }
