@@ -765,10 +765,10 @@ func newInspectCommand() *cobra.Command {
 // newTraceCommand builds "retrysafe trace".
 func newTraceCommand() *cobra.Command {
 	var dbPath string
-	var mermaid bool
+	var mermaid, svg bool
 	cmd := &cobra.Command{
 		Use:   "trace ORDER_ID",
-		Short: "Print one order's journey through every table, in time order (or --mermaid)",
+		Short: "Print one order's journey through every table, in time order (or --mermaid, --svg)",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) != 1 {
 				return fmt.Errorf("%s takes one ORDER_ID (got %d arguments); 'retrysafe inspect --db FILE' lists the orders", cmd.CommandPath(), len(args))
@@ -793,14 +793,20 @@ func newTraceCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if mermaid {
+			switch {
+			case mermaid && svg:
+				return fmt.Errorf("%s takes --mermaid or --svg, not both", cmd.CommandPath())
+			case mermaid:
 				return printMermaid(cmd.OutOrStdout(), t)
+			case svg:
+				return printSVG(cmd.OutOrStdout(), t)
 			}
 			return printTrace(cmd.OutOrStdout(), t)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&mermaid, "mermaid", false, "print a Mermaid sequenceDiagram instead of text")
+	cmd.Flags().BoolVar(&svg, "svg", false, "print the sequence diagram as an SVG image instead of text")
 	return cmd
 }
 
