@@ -105,10 +105,12 @@ type App struct {
 	// the demo). Chosen once, in newApp, so that a debugger's step from a
 	// handler goes straight to the one that runs.
 	writeTx keyWriter
-	// without, if set, is the layer that demo --without replaced by the
-	// naive code the article warns against (demo_without.go); never set
-	// outside the demo.
-	without layer
+	// entry is where the server, the consumers and the saga engine enter
+	// the layers that demo --without can replace: a.createOrder,
+	// a.receiveIn and a.compensate, unless withoutLayer (demo_without.go)
+	// swapped one for the naive code the article warns against. Chosen
+	// once, when the App is wired: the layers have no demo branches.
+	entry layerEntries
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
@@ -180,7 +182,20 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		consumerNames = append(consumerNames, c.name)
 	}
 	app.wake = newWakeups(consumerNames...)
+	app.entry = layerEntries{
+		createOrder: app.createOrder,
+		receiveIn:   app.receiveIn,
+		compensate:  app.compensate,
+	}
 	return app
+}
+
+// layerEntries are the entry points of the layers that demo --without can
+// replace (see App.entry).
+type layerEntries struct {
+	createOrder func(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error)
+	receiveIn   func(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error)
+	compensate  func(ctx context.Context, run *sagaRun) error
 }
 
 // setLeaseTimes changes every lease of the App, the embedded broker's

@@ -101,7 +101,7 @@ type embeddedBroker struct {
 	ackWait time.Duration
 	// down, set by serve --broker-down and relay --broker-down, makes
 	// every publish fail as if the broker could not be reached: a drill
-	// for the operator's tools (README "Operate it").
+	// for the operator's tools (docs/operate-and-repair.md, "Operate it").
 	down bool
 }
 

@@ -190,6 +190,11 @@ type chaosFaultCounts struct {
 	// OutageWindows are when the outages ran (from the start of the run),
 	// so 503 answers can be told apart.
 	OutageWindows [][2]time.Duration
+	// NATS counts the faults of a NATS cluster (chaos_nats.go), and
+	// NATSSyncAlways says whether its servers ran with sync_interval:
+	// always.
+	NATS           natsClusterFaults
+	NATSSyncAlways bool
 }
 
 // runPauses pauses random processes until it has made n pauses, at most

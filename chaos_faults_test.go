@@ -57,11 +57,11 @@ func TestFileClock(t *testing.T) {
 		before := clock.settledJumps()
 		jumped := make(chan error, 1)
 		go func() { jumped <- clock.jump(clockJump) }()
-		for clock.jumpCount() == 0 {
-			time.Sleep(time.Millisecond)
-		}
+		eventually(t, "the jump to start", waitLimit, func() (bool, string) {
+			return clock.jumpCount() > 0, "no jump counted"
+		})
 		during := clock.settledJumps()
-		if err := <-jumped; err != nil {
+		if err := mustReceive(t, "the jump to settle", jumped); err != nil {
 			t.Fatal(err)
 		}
 		if !run.keyMayHaveExpired(before) || !run.keyMayHaveExpired(during) {

@@ -133,6 +133,64 @@ func invariants(d *dialect) []invariant {
 			  AND (EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold')
 			       OR COALESCE((SELECT SUM(c.amount_cents - c.refunded_cents) FROM processor_charges c
 			                    WHERE c.order_id = o.order_id AND c.status = 'succeeded'), 0) <> 0)`},
+		{name: "an order's status agrees with its money", query: `
+			SELECT o.order_id || ' is ' || o.status || ' with charge ' || COALESCE(o.charge_id, 'none') ||
+			       ', refunded ' || o.refunded_cents || ' of ' || o.amount_cents || ', ' ||
+			       (SELECT COUNT(*) FROM refunds r WHERE r.order_id = o.order_id) || ' refunds'
+			FROM orders o
+			WHERE CASE o.status
+			      -- Not paid yet: no money has moved that the order knows of, so
+			      -- none can have come back (a refund of it is refused as early).
+			      WHEN 'created' THEN o.charge_id IS NOT NULL OR o.refunded_cents <> 0
+			                       OR EXISTS (SELECT 1 FROM refunds r WHERE r.order_id = o.order_id)
+			      -- Paid: charged, and something of it is still kept.
+			      WHEN 'paid' THEN o.charge_id IS NULL OR o.refunded_cents >= o.amount_cents
+			      -- Refunded: charged, and all of it given back.
+			      WHEN 'refunded' THEN o.charge_id IS NULL OR o.refunded_cents <> o.amount_cents
+			      -- Cancelled: never paid, so never refunded either (a charge
+			      -- the saga made and compensated is the processor's record,
+			      -- not the order's).
+			      ELSE o.charge_id IS NOT NULL OR o.refunded_cents <> 0
+			           OR EXISTS (SELECT 1 FROM refunds r WHERE r.order_id = o.order_id)
+			      END`},
+		{name: "a paid or refunded order was charged its amount, once", query: `
+			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' ' || o.currency || ' but its charge ' ||
+			       COALESCE(o.charge_id, '(none)') || ' is ' || COALESCE(c.status || ' ' || c.amount_cents || ' ' || c.currency || ' of ' || c.order_id, 'unknown to the processor')
+			FROM orders o LEFT JOIN processor_charges c ON c.charge_id = o.charge_id
+			WHERE o.status IN ('paid', 'refunded')
+			  AND (c.charge_id IS NULL OR c.status <> 'succeeded' OR c.order_id <> o.order_id
+			       OR c.amount_cents <> o.amount_cents OR c.currency <> o.currency)`},
+		{name: "a paid or refunded order sold every item, and holds nothing back", query: `
+			SELECT o.order_id || ' is ' || o.status || ' but sold ' ||
+			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') ||
+			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items'
+			FROM orders o
+			WHERE o.status IN ('paid', 'refunded')
+			  AND ((SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> ` + d.jsonArrayLength("o.items") + `
+			       OR EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'sold'))`},
+		{name: "a cancelled order holds no stock", query: `
+			SELECT o.order_id || ' is cancelled but still holds ' || r.qty || ' of ' || r.sku
+			FROM orders o JOIN stock_reservations r ON r.order_id = o.order_id
+			WHERE o.status = 'cancelled' AND r.status = 'reserved'`},
+		{name: "a refund is of a paid or refunded order, and with those in flight never exceeds it", query: `
+			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' with refunds pending or made of ' ||
+			       COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded')), 0)
+			FROM orders o
+			WHERE EXISTS (SELECT 1 FROM refunds r WHERE r.order_id = o.order_id)
+			  AND (o.status NOT IN ('paid', 'refunded')
+			       OR (SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded')) > o.amount_cents)`},
+		{name: "a refund counted as made is one the processor made, of that charge and amount", query: `
+			SELECT r.refund_id || ' of ' || r.order_id || ' is ' || r.status || ' for ' || r.amount_cents ||
+			       ' but the processor has ' || COALESCE(p.refund_id || ' of ' || p.amount_cents || ' from ' || p.charge_id, 'no such refund')
+			FROM refunds r JOIN orders o ON o.order_id = r.order_id
+			LEFT JOIN processor_refunds p ON p.refund_id = r.processor_refund_id
+			WHERE (r.status = 'succeeded' AND (p.refund_id IS NULL OR p.amount_cents <> r.amount_cents OR p.charge_id <> o.charge_id))
+			   -- Pending or refused: no processor refund is tied to it.
+			   OR (r.status <> 'succeeded' AND r.processor_refund_id IS NOT NULL)`},
+		{name: "an order never counts more refunded than the processor gave back", query: `
+			SELECT o.order_id || ' counts ' || o.refunded_cents || ' refunded, the processor gave back ' || c.refunded_cents || ' of ' || c.charge_id
+			FROM orders o JOIN processor_charges c ON c.charge_id = o.charge_id
+			WHERE o.refunded_cents > c.refunded_cents`},
 
 		{name: "once quiet, every order is paid, cancelled or refunded", settledOnly: true, query: `
 			SELECT order_id || ' is still ' || status FROM orders WHERE status = 'created'`},
@@ -146,13 +204,8 @@ func invariants(d *dialect) []invariant {
 			                     WHEN 'refunded' THEN 0
 			                     WHEN 'cancelled' THEN 0
 			                     ELSE -1 END`},
-		{name: "once quiet, a paid order sold all its items", settledOnly: true, query: `
-			SELECT o.order_id || ' is ' || o.status || ' but sold ' ||
-			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') ||
-			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items'
-			FROM orders o
-			WHERE o.status IN ('paid', 'refunded')
-			  AND (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> ` + d.jsonArrayLength("o.items")},
+		{name: "once quiet, no refund is left pending", settledOnly: true, query: `
+			SELECT refund_id || ' of ' || order_id || ' is still pending' FROM refunds WHERE status = 'pending'`},
 		{name: "once quiet, nothing is reserved", settledOnly: true, query: `
 			SELECT sku || ' still has ' || reserved || ' reserved' FROM stock_items WHERE reserved <> 0`},
 		{name: "once quiet, every saga is terminal and agrees with its order", settledOnly: true, query: `

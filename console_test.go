@@ -815,8 +815,8 @@ func TestConsole(t *testing.T) {
 	})
 
 	// Ensure the order form shows the order's timeline as trace prints it,
-	// text and Mermaid source, escaped; an unknown order is a 404 page
-	// saying so.
+	// drawn (the SVG inline, as trace --svg draws it), as text and as
+	// Mermaid source, escaped; an unknown order is a 404 page saying so.
 	t.Run("ShowsAnOrdersTimeline", func(t *testing.T) {
 		env := MustOpenApp(t)
 		c := newConsoleClient(newAdminTestServer(t, env, testAdminKey))
@@ -841,6 +841,13 @@ func TestConsole(t *testing.T) {
 		}
 		if !strings.Contains(page, `<pre class="mermaid" id="mermaid">`+escape(mermaid.String())+`</pre>`) || !strings.Contains(mermaid.String(), "sequenceDiagram") {
 			t.Fatalf("page does not hold the Mermaid source\n%s", mermaid.String())
+		}
+		var drawing bytes.Buffer
+		if err := printSVG(&drawing, tr); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(page, `<figure id="journey">`+drawing.String()+`</figure>`) {
+			t.Fatalf("page does not show the drawing inline\n%s\npage:\n%s", drawing.String(), page)
 		}
 		if strings.Contains(page, "<script") {
 			t.Fatal("the page loads a script")
@@ -899,17 +906,17 @@ func TestConsole(t *testing.T) {
 	})
 }
 
-// Ensure every console route the README's "The console" section names is
+// Ensure every console route docs/console.md's "The console" section names is
 // routed, every button it names in bold is a button of the page, and
 // every command it compares a button to exists.
-func TestREADMEConsoleSection(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
+func TestDocsConsoleSection(t *testing.T) {
+	readme, err := os.ReadFile("docs/console.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, section, ok := strings.Cut(string(readme), "## The console\n")
 	if !ok {
-		t.Fatal("README has no section \"The console\"")
+		t.Fatal("docs/console.md has no section \"The console\"")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 
@@ -930,7 +937,7 @@ func TestREADMEConsoleSection(t *testing.T) {
 		}
 		r := c.do(t, route[1], path, form, nil)
 		if r.Status == http.StatusMethodNotAllowed || r.Status == http.StatusForbidden || strings.Contains(r.Body, "no console route") {
-			t.Errorf("README lists %s %s, which is not routed: %d %s", route[1], route[2], r.Status, r.Body)
+			t.Errorf("docs/console.md lists %s %s, which is not routed: %d %s", route[1], route[2], r.Status, r.Body)
 		}
 	}
 
@@ -942,7 +949,7 @@ func TestREADMEConsoleSection(t *testing.T) {
 	for _, bold := range regexp.MustCompile(`\*\*([a-z ]+)\*\* button`).FindAllStringSubmatch(section, -1) {
 		buttons++
 		if !strings.Contains(string(html), `>`+bold[1]+`</button>`) {
-			t.Errorf("README names the button %q, which the page does not have", bold[1])
+			t.Errorf("docs/console.md names the button %q, which the page does not have", bold[1])
 		}
 	}
 	if buttons != 4 {
@@ -959,12 +966,12 @@ func TestREADMEConsoleSection(t *testing.T) {
 		path := strings.Fields(m[1])
 		cmd, _, err := newRootCommand().Find(path)
 		if err != nil || cmd.CommandPath() != "retrysafe "+strings.Join(path, " ") {
-			t.Errorf("README names retrysafe %s, which is no command (%v)", m[1], err)
+			t.Errorf("docs/console.md names retrysafe %s, which is no command (%v)", m[1], err)
 			continue
 		}
 		for _, flag := range strings.Fields(m[2]) {
 			if cmd.Flags().Lookup(strings.TrimPrefix(flag, "--")) == nil {
-				t.Errorf("README gives %s the flag %s, which it does not have", cmd.CommandPath(), flag)
+				t.Errorf("docs/console.md gives %s the flag %s, which it does not have", cmd.CommandPath(), flag)
 			}
 		}
 	}

@@ -364,6 +364,8 @@ func (p *pausedProcess) startUntilPaused(ctx context.Context) {
 	case <-p.paused:
 	case err := <-p.done:
 		p.done <- err
+	case <-time.After(waitLimit):
+		// Neither paused nor quiet: resumeAndWait says so.
 	}
 }
 
@@ -375,8 +377,8 @@ func (p *pausedProcess) atFaultPoint(point faultPoint) error {
 	}
 	p.pauseAtNextPoint = false
 	close(p.paused)
-	<-p.resume
-	return nil
+	_, err := await("the crashed process to restart and let the paused one go on", p.resume)
+	return err
 }
 
 // resumeAndWait lets a paused p go on and returns what its workers returned.
@@ -385,5 +387,6 @@ func (p *pausedProcess) resumeAndWait() error {
 		return nil
 	}
 	close(p.resume)
-	return <-p.done
+	err, waitErr := await("the paused process's workers to go quiet", p.done)
+	return errors.Join(err, waitErr)
 }

@@ -471,6 +471,37 @@ func runTxOnce(ctx context.Context, db *sql.DB, opts *sql.TxOptions, fn func(tx 
 	return nil
 }
 
+// inSavepoint runs fn in SAVEPOINT name of tx and rolls tx back to it if fn
+// fails, so a batch's other work in tx stands. It returns fn's failure as
+// failed, and err if the savepoint itself could not be taken, rolled back
+// or released: then tx must roll back.
+func inSavepoint(ctx context.Context, tx *sql.Tx, name string, fn func() error) (failed, err error) {
+	if _, err := tx.ExecContext(ctx, `SAVEPOINT `+name); err != nil {
+		return nil, fmt.Errorf("savepoint: %w", err)
+	}
+	failed = fn()
+	if failed != nil {
+		if _, err := tx.ExecContext(ctx, `ROLLBACK TO `+name); err != nil {
+			return failed, fmt.Errorf("rollback to savepoint: %w", err)
+		}
+	}
+	if _, err := tx.ExecContext(ctx, `RELEASE `+name); err != nil {
+		return failed, fmt.Errorf("release savepoint: %w", err)
+	}
+	return failed, nil
+}
+
+// isOurFailure reports whether err, returned by a message's or a saga
+// step's work, is our side failing rather than the work: the process must
+// stop (errCrash); we are stopping (the context ended: shut down, past a
+// deadline); PostgreSQL failed the transaction to keep it serializable and
+// it must run again; or another transaction held the database, or it went
+// away. The transaction must roll back, and nothing is counted against the
+// message or the step.
+func isOurFailure(ctx context.Context, db *sql.DB, err error) bool {
+	return errors.Is(err, errCrash) || ctx.Err() != nil || dialectOf(db).retryTx(err) || isBusy(err) || isDatabaseUnavailable(err)
+}
+
 // isBusy reports whether err is the database saying another transaction
 // got in the way: SQLite's lock held past the busy timeout, or PostgreSQL
 // still failing a serialization or lock conflict after withTx's retries. It

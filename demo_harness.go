@@ -152,7 +152,7 @@ func runDemoWith(ctx context.Context, out io.Writer, opts demoOptions) error {
 	// One request at a time, each in a transaction of its own: a step in
 	// the debugger from the handler goes straight to it.
 	app.withoutGroupCommit()
-	app.without = opts.without
+	app.withoutLayer(opts.without)
 	if opts.trace != nil {
 		app.log = opts.trace
 	}

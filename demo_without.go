@@ -5,14 +5,15 @@
 // the test that catches it.
 //
 // The naive code is here, apart from the layers, so that the layers read as
-// they run in production: each has one marked branch that calls into this
-// file when App.without names it.
+// they run in production: withoutLayer swaps it in when the demo wires its
+// App, and the layers themselves have no branch for it.
 
 package main
 
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -81,6 +82,30 @@ func parseLayer(s string) (layer, error) {
 	return "", fmt.Errorf("--without %q: no such layer; choose one of %s", s, strings.Join(names, ", "))
 }
 
+// withoutLayer replaces l's entry point in a.entry by the naive code the
+// article warns against; an empty l changes nothing.
+func (a *App) withoutLayer(l layer) {
+	switch l {
+	case layerIdempotency:
+		a.entry.createOrder = a.createOrderWithoutKey
+	case layerOutbox:
+		a.entry.createOrder = a.createOrderDualWrite
+	case layerInbox:
+		a.entry.receiveIn = receiveWithoutInbox
+	case layerSaga:
+		a.entry.compensate = a.compensateNothing
+	}
+}
+
+// compensateNothing is demo --without saga: a saga whose step failed just
+// ends, and the order is cancelled; nothing done before is undone.
+func (a *App) compensateNothing(ctx context.Context, run *sagaRun) error {
+	if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+		return err
+	}
+	return a.observeCompensation(ctx, run, sagaStepRow{}, a.cancelOrder)
+}
+
 // createOrderWithoutKey is demo --without idempotency: the order and its
 // event commit together, but nothing remembers the request, so a retry is
 // a new order.
@@ -124,24 +149,69 @@ func (a *App) publishBeforeCommit(ctx context.Context, orderID string, req idemp
 	}})
 }
 
+// createOrderDualWrite is demo --without outbox: createOrder with the dual
+// write. OrderCreated goes to the broker first (publishBeforeCommit), and the
+// transaction writes the order and the key but no outbox event.
+func (a *App) createOrderDualWrite(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
+	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
+	if !errors.Is(err, errKeyNotSettled) {
+		return response, err
+	}
+	orderID := a.newID("ord")
+	if err := a.publishBeforeCommit(ctx, orderID, req, order); err != nil {
+		return apiResponse{}, err
+	}
+	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
+		now := a.now()
+		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
+		switch {
+		case err == nil:
+			if err := checkSameRequest(key, req); err != nil {
+				return err
+			}
+			if key.Status != keyCompleted {
+				return errKeyInProgress
+			}
+			response = key.response()
+			return nil
+		case errors.Is(err, errKeyNotFound):
+		default:
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
+			return err
+		}
+		newOrder, _, err := a.newOrderCreated(orderID, req, order, now)
+		if err != nil {
+			return err
+		}
+		if err := insertOrder(ctx, tx, newOrder); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterBusinessWrite); err != nil {
+			return err
+		}
+		response, err = createdResponse(newOrder)
+		if err != nil {
+			return err
+		}
+		return insertCompletedKey(ctx, tx, req, response, a.now())
+	})
+	if err != nil {
+		return apiResponse{}, err
+	}
+	return response, nil
+}
+
 // receiveWithoutInbox is demo --without inbox: the message's effect runs on
 // every delivery. Nothing records that it ran, so nothing can skip it the
 // second time; a failure is retried for ever.
-func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, messageID string, apply func(tx *sql.Tx) error) (receiveResult, error) {
+func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	result := receiveResult{MessageID: messageID, Outcome: inboxApplied}
-	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
-		return result, fmt.Errorf("savepoint: %w", err)
-	}
-	err := apply(tx)
-	if err != nil {
-		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
-			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
-		}
+	failed, err := inSavepoint(ctx, tx, "inbox_message", func() error { return apply(tx) })
+	if failed != nil {
 		result.Outcome = inboxRetry
-		result.Err = err
+		result.Err = failed
 	}
-	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {
-		return result, fmt.Errorf("release savepoint: %w", releaseErr)
-	}
-	return result, nil
+	return result, err
 }

@@ -272,7 +272,18 @@ func (env *testEnv) drain(tb testing.TB) {
 		}
 		env.clock.advance(2 * time.Minute)
 	}
-	tb.Fatalf("the workers did not settle")
+	tb.Fatalf("the workers did not settle in 500 passes; left: %s", env.unsettled(tb))
+}
+
+// unsettled says what work is left in env's database, for a test that
+// waited for the workers to finish it.
+func (env *testEnv) unsettled(tb testing.TB) string {
+	tb.Helper()
+	return fmt.Sprintf("%d outbox events pending, %d deliveries pending, %d sagas running, %d keys unfinished",
+		env.count(tb, `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`),
+		env.count(tb, `SELECT COUNT(*) FROM broker_deliveries WHERE status = 'pending'`),
+		env.count(tb, `SELECT COUNT(*) FROM saga_instances WHERE status IN ('in_progress', 'compensating')`),
+		env.count(tb, `SELECT COUNT(*) FROM idempotency_keys WHERE recovery_point <> 'finished'`))
 }
 
 // orderBody is a valid create-order body.
@@ -385,4 +396,66 @@ func roundTrip(tb testing.TB, ts *httptest.Server, req *http.Request) response {
 		tb.Fatalf("read body: %v", err)
 	}
 	return response{Status: resp.StatusCode, Header: resp.Header, Body: string(data)}
+}
+
+// waitLimit bounds every wait of a test on something happening elsewhere (a
+// goroutine reaching a fault point, a process printing its address, the
+// workers settling). What has not happened by then never will: a test whose
+// system is stuck fails within seconds, saying what it waited for, instead
+// of hanging until go test's ten-minute timeout. (A relay that never marked
+// its events published once held TestOutbox for 608 s.)
+const waitLimit = 10 * time.Second
+
+// eventually calls check until it reports done, every few milliseconds,
+// and fails tb if it has not within timeout, with what it waited for and
+// what check saw the last time it looked.
+func eventually(tb testing.TB, what string, timeout time.Duration, check func() (done bool, saw string)) {
+	tb.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		done, saw := check()
+		if done {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("waited %s for %s; last saw %s", timeout, what, saw)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// await waits at most waitLimit for ch to send or close. Its error names
+// what was waited for: a fault hook, which may run on a goroutine other than
+// the test's, returns it and so fails the worker it stopped, instead of
+// blocking it for ever.
+func await[T any](what string, ch <-chan T) (T, error) {
+	select {
+	case v := <-ch:
+		return v, nil
+	case <-time.After(waitLimit):
+		var zero T
+		return zero, fmt.Errorf("waited %s for %s; it never came", waitLimit, what)
+	}
+}
+
+// mustReceive is await on the test's own goroutine: it fails tb.
+func mustReceive[T any](tb testing.TB, what string, ch <-chan T) T {
+	tb.Helper()
+	v, err := await(what, ch)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return v
+}
+
+// mustWait is wg.Wait bounded by waitLimit. The goroutine it starts exits
+// when wg's goroutines are done, even after tb has failed.
+func mustWait(tb testing.TB, what string, wg *sync.WaitGroup) {
+	tb.Helper()
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	mustReceive(tb, what, done)
 }

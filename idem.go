@@ -324,23 +324,17 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 // handle() and create_order() with its work() in one. The key claim, the
 // order row, its OrderCreated outbox event and the stored response commit in
 // ONE transaction, because creating an order touches nothing but our own
-// database:
-//   - a crash at any point leaves either nothing (the retry does the work) or
-//     everything (the retry replays); never a key stuck in processing;
-//   - a concurrent duplicate waits for the write lock, then finds the
-//     completed key and replays it.
+// database: a crash at any point leaves either nothing (the retry does the
+// work) or everything (the retry replays), and a concurrent duplicate waits
+// for the write lock, then replays the completed key.
 //
 // (On SQLite, writeTx gathers concurrent requests into one commit, each in a
-// savepoint; a lone request runs in a transaction of its own, on its own
-// goroutine. See infra_groupcommit.go.)
+// savepoint. See infra_groupcommit.go.)
 //
-// Returns errKeyReused if the key belongs to another request. order must be
-// valid (see decodeOrderRequest); nothing here rejects input.
+// Returns errKeyReused if the key belongs to another request, and
+// errKeyInProgress if another request holds it. order must be valid (see
+// decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
-	if a.without == layerIdempotency {
-		// demo --without idempotency (demo_without.go).
-		return a.createOrderWithoutKey(ctx, req, order)
-	}
 	// A retry of a settled request is answered from a read connection,
 	// without waiting for the write lock; anything else is decided below.
 	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
@@ -348,15 +342,12 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		return response, err
 	}
 	orderID := a.newID("ord")
-	if a.without == layerOutbox {
-		// demo --without outbox: the dual write (demo_without.go).
-		if err := a.publishBeforeCommit(ctx, orderID, req, order); err != nil {
-			return apiResponse{}, err
-		}
-	}
-
+	// Sample flaw 3: it claimed the key, did the work and stored the answer
+	// in three transactions. Here they are one.
 	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
+		// Sample flaw 4: lookupKey reads expires_at; an expired key is
+		// gone and the request runs as new.
 		key, err := lookupKey(ctx, tx, req.UserID, req.IdempotencyKey, now)
 		switch {
 		case err == nil:
@@ -369,21 +360,16 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 			}
 			response = key.response()
 			return nil
-		case errors.Is(err, errKeyNotFound):
-			// New key: fall through and do the work.
-		default:
+		case !errors.Is(err, errKeyNotFound):
 			return err
 		}
-
-		// The key is ours now: no other writer can claim it until this
-		// transaction ends, because BEGIN IMMEDIATE holds the write lock
-		// (on PostgreSQL, keyTx's lock on the key).
-		// Its row is written once, with the response, at the end.
+		// New key, and ours: no other writer can claim it until this
+		// transaction ends (BEGIN IMMEDIATE holds the write lock; on
+		// PostgreSQL, keyTx locks the key).
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err
 		}
-
-		// The order and its OrderCreated event: one transaction, so the
+		// The order and its OrderCreated event in one transaction: the
 		// event is published if and only if the order exists.
 		newOrder, orderCreatedEvent, err := a.newOrderCreated(orderID, req, order, now)
 		if err != nil {
@@ -392,26 +378,24 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		if err := insertOrder(ctx, tx, newOrder); err != nil {
 			return err
 		}
-		if a.without != layerOutbox {
-			if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
-				return err
-			}
+		if err := insertOutboxEvent(ctx, tx, orderCreatedEvent, now); err != nil {
+			return err
 		}
 		if err := a.fault.at(ctx, faultAfterBusinessWrite); err != nil {
 			return err
 		}
-
 		response, err = createdResponse(newOrder)
 		if err != nil {
 			return err
 		}
 		// The key replays for idempotencyKeyTTL from the answer, not from
-		// the claim: a transaction stalled past the TTL (a paused process,
-		// a stuck disk) must still replay to the retry right after it, not
-		// make a second order. So the clock is read again here.
+		// the claim (a transaction stalled past the TTL must still replay):
+		// so the clock is read again.
 		return insertCompletedKey(ctx, tx, req, response, a.now())
 	})
 	if err != nil {
+		// Sample flaw 5: nothing was stored; the key stays free for the
+		// retry.
 		return apiResponse{}, err
 	}
 	return response, nil

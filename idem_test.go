@@ -242,7 +242,7 @@ func TestIdempotency(t *testing.T) {
 				responses[i], errs[i] = env.app.createOrder(context.Background(), req, order)
 			}()
 		}
-		wg.Wait()
+		mustWait(t, "every request to be answered", &wg)
 		fresh := 0
 		for i := range n {
 			if errs[i] != nil {
@@ -389,7 +389,7 @@ func TestIdempotencyKeyLocking(t *testing.T) {
 				}()
 			}
 			close(start)
-			wg.Wait()
+			mustWait(t, "every create and refund of the wave to be answered", &wg)
 			if err := errors.Join(errs...); err != nil {
 				t.Fatal(err)
 			}

@@ -129,7 +129,7 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 	var result receiveResult
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
 		var err error
-		result, err = a.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
+		result, err = a.entry.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
 	if err == nil {
@@ -139,82 +139,77 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 }
 
 // receiveIn applies a message at most once for consumerName, in tx: the
-// inbox half of the article's consume_order_created(). The
-// inbox row is inserted first, in the same transaction as the effect: if it
-// is already there, the message is a duplicate and apply does not run. Two
-// concurrent deliveries of one message serialize on the write lock; the
-// second sees the first's row.
+// article's consume_order_created(). The inbox row is inserted first, in the
+// same transaction as the effect: if it is already there, the message is a
+// duplicate and apply does not run. Two concurrent deliveries of one message
+// serialize on the write lock; the second sees the first's row.
 //
 // The message runs in its own SAVEPOINT, so a consumer can put a whole batch
-// in one transaction and a failing message undoes only its own writes. A
-// permanent failure records the message as poison (for this consumer only).
-// A transient one is counted in inbox_failures, in tx, after the savepoint
-// is rolled back; the maxFailures-th counted failure records poison
-// (noFailureLimit: never). deliveryCount, the broker's count, is only
-// written down: it also counts deliveries whose transaction failed, so it
-// cannot say how often the message itself failed.
+// in one transaction and a failing message undoes only its own writes; its
+// failure is then recorded in tx (recordFailure).
 //
-// Returns an error only when tx must roll back: the process must stop
-// (errCrash), our side failed (the context ended, the database was busy or
-// must retry the transaction), or the inbox could not be written. Nothing
-// is counted then, so an outage of any length uses up no message's tries.
+// Returns an error only when tx must roll back: the process, the context or
+// the database failed, not the message (isOurFailure), or the inbox could
+// not be written. Nothing is counted then, so an outage of any length uses
+// up no message's tries.
 func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
-	if a.without == layerInbox {
-		// demo --without inbox (demo_without.go).
-		return receiveWithoutInbox(ctx, tx, messageID, apply)
-	}
 	result := receiveResult{MessageID: messageID}
 	now := a.now()
-	if _, err := tx.ExecContext(ctx, `SAVEPOINT inbox_message`); err != nil {
-		return result, fmt.Errorf("savepoint: %w", err)
-	}
-	err := recordAndApply(ctx, tx, consumerName, messageID, deliveryCount, now, apply, &result)
+	failed, err := inSavepoint(ctx, tx, "inbox_message", func() error {
+		// Sample flaws 1 and 2: the row is keyed by (consumer, message_id),
+		// and inserted in the effect's transaction, not checked before it.
+		inserted, err := insertInboxRow(ctx, tx, consumerName, messageID, deliveryCount, now)
+		if err != nil {
+			return err
+		}
+		if !inserted {
+			// Applied before: skip the effect, but still ack.
+			result.Outcome = inboxDuplicate
+			return countDuplicate(ctx, tx, consumerName, messageID)
+		}
+		if err := apply(tx); err != nil {
+			return err
+		}
+		result.Outcome = inboxApplied
+		return nil
+	})
 	if err != nil {
-		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
-			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
-		}
+		return result, err
 	}
-	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {
-		return result, fmt.Errorf("release savepoint: %w", releaseErr)
-	}
-	switch {
-	case err == nil:
+	if failed == nil {
 		return result, nil
-	case errors.Is(err, errCrash):
+	}
+	if isOurFailure(ctx, a.db, failed) {
+		return result, failed
+	}
+	return recordFailure(ctx, tx, result, consumerName, deliveryCount, maxFailures, failed, now)
+}
+
+// recordFailure records in tx why a message failed, after its own writes
+// were rolled back to its savepoint: a permanent failure records it as
+// poison (for this consumer only). A transient one is counted in
+// inbox_failures; the maxFailures-th counted failure records poison
+// (noFailureLimit: never), and before that the message is to be retried.
+// deliveryCount, the broker's count, is only written down: it also counts
+// deliveries whose transaction failed, so it cannot say how often the
+// message itself failed.
+func recordFailure(ctx context.Context, tx *sql.Tx, result receiveResult, consumerName string, deliveryCount, maxFailures int, cause error, now time.Time) (receiveResult, error) {
+	if isPermanent(cause) {
+		result.Outcome, result.Err = inboxPoison, cause
+		return result, recordPoison(ctx, tx, consumerName, result.MessageID, deliveryCount, cause, now)
+	}
+	failures, err := countFailure(ctx, tx, consumerName, result.MessageID, cause, now)
+	if err != nil {
 		return result, err
-	case ctx.Err() != nil:
-		// We are stopping (shut down, past a deadline): the transaction
-		// cannot commit, and the message did nothing wrong.
-		return result, err
-	case dialectOf(a.db).retryTx(err):
-		// PostgreSQL failed the transaction to keep it serializable: it
-		// must roll back and run again (withTx does), not count as this
-		// message's failure.
-		return result, err
-	case isBusy(err), isDatabaseUnavailable(err):
-		// Another transaction held the database, or the database went
-		// away: our side, not the message. The batch fails and comes
-		// back; nothing is counted.
-		return result, err
-	case isPermanent(err):
+	}
+	result.Failures = failures
+	if maxFailures != noFailureLimit && failures >= maxFailures {
 		result.Outcome = inboxPoison
-		result.Err = err
-		return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, err, now)
-	default:
-		failures, countErr := countFailure(ctx, tx, consumerName, messageID, err, now)
-		if countErr != nil {
-			return result, countErr
-		}
-		result.Failures = failures
-		if maxFailures != noFailureLimit && failures >= maxFailures {
-			result.Outcome = inboxPoison
-			result.Err = fmt.Errorf("failed %d times, the last time: %w", failures, err)
-			return result, recordPoison(ctx, tx, consumerName, messageID, deliveryCount, result.Err, now)
-		}
-		result.Outcome = inboxRetry
-		result.Err = err
-		return result, nil
+		result.Err = fmt.Errorf("failed %d times, the last time: %w", failures, cause)
+		return result, recordPoison(ctx, tx, consumerName, result.MessageID, deliveryCount, result.Err, now)
 	}
+	result.Outcome, result.Err = inboxRetry, cause
+	return result, nil
 }
 
 // countFailure adds one to the failures counted for messageID at
@@ -239,35 +234,34 @@ func countFailure(ctx context.Context, tx *sql.Tx, consumerName, messageID strin
 	return failures, nil
 }
 
-// recordAndApply inserts the inbox row and, if it is new, applies the
-// message; a conflict means the message was applied before.
-func recordAndApply(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, now time.Time, apply func(tx *sql.Tx) error, result *receiveResult) error {
+// insertInboxRow records that consumerName applied messageID, and reports
+// false if it had already: the primary key (consumer, message_id) decides,
+// in the transaction of the effect.
+func insertInboxRow(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount int, now time.Time) (bool, error) {
 	inserted, err := tx.ExecContext(ctx, `
 		INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
 		VALUES (?, ?, 'done', ?, ?)
 		ON CONFLICT (consumer, message_id) DO NOTHING`,
 		consumerName, messageID, deliveryCount, formatTime(now))
 	if err != nil {
-		return fmt.Errorf("insert inbox message: %w", err)
+		return false, fmt.Errorf("insert inbox message: %w", err)
 	}
 	n, err := inserted.RowsAffected()
 	if err != nil {
-		return fmt.Errorf("insert inbox message: %w", err)
+		return false, fmt.Errorf("insert inbox message: %w", err)
 	}
-	if n == 0 {
-		result.Outcome = inboxDuplicate
-		_, err := tx.ExecContext(ctx, `
-			UPDATE inbox_messages SET duplicates = duplicates + 1 WHERE consumer = ? AND message_id = ?`,
-			consumerName, messageID)
-		if err != nil {
-			return fmt.Errorf("count duplicate: %w", err)
-		}
-		return nil
+	return n == 1, nil
+}
+
+// countDuplicate counts one more delivery of a message consumerName had
+// applied already, for inspect.
+func countDuplicate(ctx context.Context, tx *sql.Tx, consumerName, messageID string) error {
+	_, err := tx.ExecContext(ctx, `
+		UPDATE inbox_messages SET duplicates = duplicates + 1 WHERE consumer = ? AND message_id = ?`,
+		consumerName, messageID)
+	if err != nil {
+		return fmt.Errorf("count duplicate: %w", err)
 	}
-	if err := apply(tx); err != nil {
-		return err
-	}
-	result.Outcome = inboxApplied
 	return nil
 }
 
@@ -346,7 +340,10 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 			}
 			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
 			processed[i] = span.SpanContext()
-			result, err := a.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+			result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+				if err := a.fault.at(processCtx, faultConsumerApply); err != nil {
+					return err
+				}
 				return c.apply(processCtx, tx, d.message)
 			})
 			endProcessSpan(span, result, err)

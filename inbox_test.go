@@ -113,7 +113,7 @@ func TestInbox(t *testing.T) {
 				}
 			}()
 		}
-		wg.Wait()
+		mustWait(t, "both deliveries to be received", &wg)
 		outcomes := map[inboxOutcome]int{}
 		for _, r := range results {
 			outcomes[r.Outcome]++

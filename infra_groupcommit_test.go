@@ -278,8 +278,8 @@ func TestGroupCommit(t *testing.T) {
 			t.Fatalf("leader: %v", err)
 		}
 		var got []string
-		for _, req := range followers {
-			outcome := <-req.done
+		for i, req := range followers {
+			outcome := mustReceive(t, fmt.Sprintf("follower %d's answer", i), req.done)
 			got = append(got, fmt.Sprintf("%v/%v", outcome.err, outcome.panicked))
 		}
 		if want := "[business rule says no/<nil> <nil>/<nil> <nil>/bug <nil>/<nil>]"; fmt.Sprint(got) != want {
@@ -428,7 +428,7 @@ func TestGroupCommit(t *testing.T) {
 				t.Fatalf("follower %d got %v %v, want %v", i, outcome.err, outcome.panicked, errBatchLost)
 			}
 		}
-		if outcome := <-next.done; !outcome.lead {
+		if outcome := mustReceive(t, "the next request's answer", next.done); !outcome.lead {
 			t.Fatalf("the request queued after the batch got %+v, want the lead", outcome)
 		}
 		network.down = false
@@ -450,7 +450,7 @@ func TestGroupCommit(t *testing.T) {
 		if err := g.lead(newGroupRequest(ctx, failing)); err == nil || err.Error() != "business rule says no" {
 			t.Fatalf("leader got %v, want its own error", err)
 		}
-		if outcome := <-followers[0].done; !outcome.lead {
+		if outcome := mustReceive(t, "the follower's answer", followers[0].done); !outcome.lead {
 			t.Fatalf("follower got %+v, want the lead", outcome)
 		}
 		if err := g.lead(followers[0]); err != nil {
@@ -480,7 +480,7 @@ func TestGroupCommit(t *testing.T) {
 			t.Fatalf("leader: %v", err)
 		}
 		for i, req := range followers {
-			if outcome := <-req.done; outcome.err != nil {
+			if outcome := mustReceive(t, fmt.Sprintf("follower %d's answer", i), req.done); outcome.err != nil {
 				t.Fatalf("follower %d: %v", i, outcome.err)
 			}
 		}
@@ -508,7 +508,7 @@ func TestGroupCommit(t *testing.T) {
 			t.Fatalf("leader: %v", err)
 		}
 		for i, req := range followers {
-			if outcome := <-req.done; outcome.err != nil {
+			if outcome := mustReceive(t, fmt.Sprintf("follower %d's answer", i), req.done); outcome.err != nil {
 				t.Fatalf("follower %d: %v", i, outcome.err)
 			}
 		}
@@ -541,21 +541,18 @@ func TestGroupCommit(t *testing.T) {
 					next <- r
 				}()
 				// Hold the commit until the request has queued.
-				for {
+				eventually(t, "the next request to queue", waitLimit, func() (bool, string) {
 					g.mu.Lock()
 					queued := len(g.waiting)
 					g.mu.Unlock()
-					if queued == 1 {
-						return
-					}
-					runtime.Gosched()
-				}
+					return queued == 1, fmt.Sprintf("%d queued", queued)
+				})
 			})
 		})
 		if err := g.do(ctx, insertTestOrder("ord_1")); err != nil {
 			t.Fatalf("first: %v", err)
 		}
-		r := <-next
+		r := mustReceive(t, "the queued request's answer", next)
 		if r.err != nil {
 			t.Fatalf("next: %v", r.err)
 		}

@@ -4,10 +4,12 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -507,3 +509,199 @@ func (emptyBatch) Messages() <-chan jetstream.Msg {
 }
 
 func (emptyBatch) Error() error { return nil }
+
+// startTestNATS starts size nats-servers of the test's own from the binary
+// named by RETRYSAFE_TEST_NATS_SERVER (a cluster if size is 3), and stops
+// them when the test ends. It skips the test when the variable is not set.
+func startTestNATS(tb testing.TB, size int, syncAlways bool) *natsCluster {
+	tb.Helper()
+	binary := os.Getenv("RETRYSAFE_TEST_NATS_SERVER")
+	if binary == "" {
+		tb.Skip("set RETRYSAFE_TEST_NATS_SERVER to a nats-server binary (2.10 or later) to run the tests that start their own servers")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cluster, err := startNATSCluster(ctx, binary, tb.TempDir(), size, syncAlways, io.Discard)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(cluster.stop)
+	if syncAlways && !cluster.syncAlways {
+		tb.Skipf("%s does not know sync_interval: always (nats-server before 2.10)", binary)
+	}
+	return cluster
+}
+
+func TestNATSDurability(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a process on a single server with the default sync policy is
+	// warned of both settings that let JetStream lose what it
+	// acknowledged, each by name.
+	t.Run("OneReplicaAndLazySyncAreNamed", func(t *testing.T) {
+		cluster := startTestNATS(t, 1, false)
+		if policy, err := natsSyncPolicy(ctx, cluster.monitorURL()); err != nil || !policy.known {
+			t.Skipf("the server does not report its sync policy (%v): nats-server before 2.10", err)
+		}
+		broker, err := openNATSBroker(ctx, cluster.url(), "DURABILITY", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		warnings, err := natsDurabilityWarnings(ctx, broker, []string{cluster.monitorURL()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var settings []string
+		for _, warning := range warnings {
+			settings = append(settings, warning.Setting)
+		}
+		if got := strings.Join(settings, ","); got != "replicas,sync_interval" {
+			t.Fatalf("warned of %q (%v), want replicas,sync_interval", got, warnings)
+		}
+		if !strings.Contains(warnings[1].Message, "every 2m0s") || !strings.Contains(warnings[1].Message, "sync_interval: always") {
+			t.Fatalf("the sync warning says %q, want the interval and the setting that fixes it", warnings[1].Message)
+		}
+	})
+
+	// Ensure a stream created through the three URLs of a cluster has
+	// three replicas, and a cluster that syncs before it acknowledges
+	// draws no warning.
+	t.Run("ClusterOfThreeWithSyncAlwaysDrawsNone", func(t *testing.T) {
+		cluster := startTestNATS(t, 3, true)
+		broker, err := openNATSBroker(ctx, cluster.url(), "DURABILITY", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		info, err := cluster.streamInfo(ctx, "DURABILITY")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Config.Replicas != 3 {
+			t.Fatalf("the stream has %d replicas, want 3", info.Config.Replicas)
+		}
+		warnings, err := natsDurabilityWarnings(ctx, broker, strings.Split(cluster.monitorURL(), ","))
+		if err != nil || len(warnings) != 0 {
+			t.Fatalf("got %v, %v; want no warning", warnings, err)
+		}
+	})
+}
+
+// BenchmarkNATSPublish is the relay's publish on the NATS server(s) named
+// by RETRYSAFE_TEST_NATS (several URLs: a cluster, and the stream gets 3
+// replicas): one event at a time, each waiting for its acknowledgement
+// (the latency a relay with one pending event sees), and batches of 100
+// (relayBatchSize's order of size). Run it against servers with and
+// without sync_interval: always to see what acknowledged-means-on-disk
+// costs (README "PostgreSQL and NATS: what a lost write costs").
+func BenchmarkNATSPublish(b *testing.B) {
+	url := os.Getenv("RETRYSAFE_TEST_NATS")
+	if url == "" {
+		b.Skip("set RETRYSAFE_TEST_NATS to benchmark publishing to NATS JetStream")
+	}
+	for _, batch := range []int{1, 100} {
+		b.Run(fmt.Sprintf("batch-%d", batch), func(b *testing.B) {
+			ctx := context.Background()
+			stream := fmt.Sprintf("RTBENCH%d_%d", os.Getpid(), natsStreamCounter.Add(1))
+			broker, err := openNATSBroker(ctx, url, stream, time.Minute)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer broker.close()
+			defer func() {
+				if err := broker.deleteStream(ctx); err != nil {
+					b.Error(err)
+				}
+			}()
+			payload := []byte(`{"order_id":"ord_bench","amount_cents":5000,"currency":"usd"}`)
+			msgs := make([]message, batch)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				for j := range msgs {
+					msgs[j] = message{ID: fmt.Sprintf("evt_%d_%d", i, j), Subject: eventOrderCreated, Payload: payload}
+				}
+				if err := broker.publishBatch(ctx, msgs); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.N*batch)/b.Elapsed().Seconds(), "msgs/s")
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/batch")
+		})
+	}
+}
+
+// mustPublishFailWithin publishes one message and fails tb unless the
+// publish fails within limit.
+func mustPublishFailWithin(tb testing.TB, broker *natsBroker, limit time.Duration) {
+	tb.Helper()
+	published := make(chan error, 1)
+	started := time.Now()
+	go func() {
+		published <- broker.publishBatch(context.Background(), []message{{ID: "msg-1", Subject: "Ping", Payload: []byte(`{}`)}})
+	}()
+	select {
+	case err := <-published:
+		if err == nil {
+			tb.Fatal("the publish succeeded; want it to fail")
+		}
+		tb.Logf("the publish failed after %s: %v", time.Since(started).Round(100*time.Millisecond), err)
+	case <-time.After(limit):
+		tb.Fatalf("the publish still waits after %s", limit)
+	}
+}
+
+// stopNode stops node with SIGSTOP until the test ends.
+func stopNode(tb testing.TB, node *natsNode) {
+	tb.Helper()
+	node.mu.Lock()
+	process := node.cmd.Process
+	node.mu.Unlock()
+	if err := process.Signal(syscall.SIGSTOP); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { process.Signal(syscall.SIGCONT) })
+}
+
+func TestNATSStalledServer(t *testing.T) {
+	ctx := context.Background()
+
+	// Ensure a publish to a server that stopped answering (SIGSTOP, or a
+	// host gone without closing its connections) fails within seconds:
+	// the client's pings go unanswered and it drops the connection, so
+	// the relay records the failure and retries.
+	t.Run("PublishToStoppedServerFails", func(t *testing.T) {
+		cluster := startTestNATS(t, 1, false)
+		broker, err := openNATSBroker(ctx, cluster.url(), "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		stopNode(t, cluster.nodes[0])
+		mustPublishFailWithin(t, broker, 2*natsPublishTimeout)
+	})
+
+	// Ensure a publish through a healthy server of a cluster, to a stream
+	// whose leader stopped answering, fails after natsPublishTimeout: the
+	// connection stays up, so only the publish's own timeout ends the
+	// wait for an acknowledgement that will never come.
+	t.Run("PublishToStoppedLeaderFails", func(t *testing.T) {
+		cluster := startTestNATS(t, 3, false)
+		creator, err := openNATSBroker(ctx, cluster.url(), "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		creator.close()
+		_, leader, followers, err := cluster.streamCluster(ctx, "STALLED")
+		if err != nil {
+			t.Fatal(err)
+		}
+		broker, err := openNATSBroker(ctx, "nats://"+followers[0].clientAddr, "STALLED", time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer broker.close()
+		stopNode(t, leader)
+		mustPublishFailWithin(t, broker, 2*natsPublishTimeout)
+	})
+}

@@ -37,6 +37,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 )
 
@@ -99,7 +100,7 @@ func newRootCommand() *cobra.Command {
 // openExistingApp opens an App over a database that must already exist: a
 // typo in --db should say so, not quietly create an empty file. Its
 // consumers are not subscribed yet; see startProcess.
-func openExistingApp(ctx context.Context, path string, clock func() time.Time) (*App, error) {
+func openExistingApp(ctx context.Context, path string, clock func() time.Time, fault faultHook) (*App, error) {
 	// (A PostgreSQL URL with a typo fails to connect instead.)
 	if !isPostgresURL(path) {
 		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
@@ -110,7 +111,7 @@ func openExistingApp(ctx context.Context, path string, clock func() time.Time) (
 	if err != nil {
 		return nil, err
 	}
-	return newApp(db, clock, nil, nil), nil
+	return newApp(db, clock, nil, fault), nil
 }
 
 // openApp opens (creating if needed) the database at path and returns an App
@@ -130,7 +131,7 @@ func openApp(ctx context.Context, path string, clock func() time.Time, ids func(
 
 // newServeCommand builds "retrysafe serve".
 func newServeCommand() *cobra.Command {
-	var dbPath, addr, durabilityFlag, brokerURL, stream, metricsAddr, logFormatFlag string
+	var dbPath, addr, durabilityFlag, brokerURL, stream, natsMonitor, metricsAddr, logFormatFlag string
 	var workers bool
 	var drill drillFlags
 	var clock chaosClockFlags
@@ -147,7 +148,7 @@ func newServeCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, metricsAddr, workers, d, brokerURL, stream, drill, clock, format)
+			return serve(cmd.Context(), cmd.OutOrStdout(), dbPath, addr, metricsAddr, workers, d, brokerURL, stream, natsMonitor, drill, clock, format)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file (created if missing) or postgres:// URL")
@@ -156,6 +157,7 @@ func newServeCommand() *cobra.Command {
 	cmd.Flags().StringVar(&durabilityFlag, "durability", string(durabilityNormal),
 		"normal: commits survive a process crash, not a power loss (no fsync per commit); full: every commit is fsynced; either way concurrent orders are committed in groups")
 	addBrokerFlags(cmd, &brokerURL, &stream)
+	addNATSMonitorFlag(cmd, &natsMonitor)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9100")
@@ -210,7 +212,7 @@ func serveConfig(say func(message string)) (apiKeys map[string]string, webhookSe
 
 // serve runs the API until ctx is done, then shuts down in order: stop
 // accepting, finish in-flight requests, stop the loops, close the database.
-func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string, workers bool, d durability, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
+func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string, workers bool, d durability, brokerURL, stream, natsMonitor string, drill drillFlags, clock chaosClockFlags, format logFormat) error {
 	if err := drill.check(brokerURL); err != nil {
 		return err
 	}
@@ -257,11 +259,14 @@ func serve(ctx context.Context, out io.Writer, dbPath, addr, metricsAddr string,
 	// It runs at return, once the requests and loops are done: it flushes
 	// their last spans.
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
+	if err := warnNATSDurability(ctx, app, natsMonitor, logger); err != nil {
+		return err
+	}
 	app.log = logger
 	if metricsListener != nil {
 		app.enableMetrics()
@@ -320,7 +325,7 @@ func newWorkerCommand() *cobra.Command {
 // process of its own beside serve.
 func newLoopCommand(role, short string,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) *cobra.Command {
-	var dbPath, brokerURL, stream, metricsAddr, logFormatFlag string
+	var dbPath, brokerURL, stream, natsMonitor, metricsAddr, logFormatFlag string
 	var drill drillFlags
 	var clock chaosClockFlags
 	cmd := &cobra.Command{
@@ -332,11 +337,12 @@ func newLoopCommand(role, short string,
 			if err != nil {
 				return err
 			}
-			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, drill, clock, metricsAddr, format, start)
+			return runLoops(cmd.Context(), cmd.OutOrStdout(), dbPath, role, brokerURL, stream, natsMonitor, drill, clock, metricsAddr, format, start)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	addBrokerFlags(cmd, &brokerURL, &stream)
+	addNATSMonitorFlag(cmd, &natsMonitor)
 	addDrillFlags(cmd, &drill)
 	addClockFlags(cmd, &clock)
 	addMetricsAddrFlag(cmd, &metricsAddr, "127.0.0.1:9101")
@@ -346,7 +352,7 @@ func newLoopCommand(role, short string,
 
 // runLoops runs the loops that start starts until ctx is done, and serves
 // their metrics on metricsAddr unless it is empty.
-func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
+func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, stream, natsMonitor string, drill drillFlags, clock chaosClockFlags, metricsAddr string, format logFormat,
 	start func(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger)) error {
 	if err := drill.check(brokerURL); err != nil {
 		return err
@@ -367,7 +373,11 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	}
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
-	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew))
+	var fault faultHook
+	if clock.setAside {
+		fault = setAsideFaults
+	}
+	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew), fault)
 	if err != nil {
 		return err
 	}
@@ -377,11 +387,14 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 		return err
 	}
 	defer stopTracing()
-	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream)
+	closeBroker, err := startProcess(ctx, app, drill, brokerURL, stream, logger)
 	if err != nil {
 		return err
 	}
 	defer closeBroker()
+	if err := warnNATSDurability(ctx, app, natsMonitor, logger); err != nil {
+		return err
+	}
 	var loops sync.WaitGroup
 	app.log = logger
 	if metricsListener != nil {
@@ -397,8 +410,8 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	return nil
 }
 
-// drillFlags are --lease-scale and --broker-down, for drills: README
-// "Operate it" breaks the broker and shortens every wait so that a
+// drillFlags are --lease-scale and --broker-down, for drills: the drill of
+// docs/operate-and-repair.md breaks the broker and shortens every wait so that a
 // publish gives up in seconds, and the chaos run shortens every lease so
 // that a killed process's work is taken over within seconds.
 type drillFlags struct {
@@ -427,21 +440,50 @@ func (drill drillFlags) check(brokerURL string) error {
 // startProcess readies app for a long-running process (serve, relay,
 // worker): its leases, its broker, its consumers' subscriptions. It returns
 // what closes the broker.
-func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string) (func(), error) {
+func startProcess(ctx context.Context, app *App, drill drillFlags, brokerURL, stream string, logger *slog.Logger) (func(), error) {
 	app.setLeaseTimes(scaledLeaseTimes(drill.leaseScale))
 	if embedded, ok := app.broker.(*embeddedBroker); ok {
 		embedded.down = drill.brokerDown
 	}
-	closeBroker, err := useBroker(ctx, app, brokerURL, stream)
-	if err != nil {
-		return nil, err
+	if brokerURL == "" {
+		return func() {}, app.subscribeConsumers(ctx)
 	}
-	if err := app.subscribeConsumers(ctx); err != nil {
-		closeBroker()
-		return nil, err
+	// A NATS cluster answers stream and consumer requests only once they
+	// have a leader: a new stream of three replicas, or one whose leader
+	// just died, elects one in 4 to 9 s. A process that starts meanwhile
+	// waits, instead of exiting (JetStream's default of 5 s per request
+	// would have it give up before the election ends).
+	giveUp := time.Now().Add(natsStartPatience)
+	for {
+		attemptCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		closeBroker, err := useBroker(attemptCtx, app, brokerURL, stream)
+		if err == nil {
+			err = app.subscribeConsumers(attemptCtx)
+			if err != nil {
+				closeBroker()
+			}
+		}
+		cancel()
+		if err == nil {
+			return closeBroker, nil
+		}
+		// No server answering at all is a wrong --broker more often than
+		// an election: say so at once.
+		if errors.Is(err, nats.ErrNoServers) || time.Now().After(giveUp) || ctx.Err() != nil {
+			return nil, err
+		}
+		logger.Warn("NATS JetStream is not ready; trying again", "error", err.Error())
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
 	}
-	return closeBroker, nil
 }
+
+// natsStartPatience is how long a starting process keeps trying to set up
+// its NATS stream and consumers before it gives up and exits.
+const natsStartPatience = 2 * time.Minute
 
 // natsStream is the JetStream stream retrysafe publishes to.
 const natsStream = "RETRYSAFE"
@@ -450,7 +492,7 @@ const natsStream = "RETRYSAFE"
 // database: its durable consumers would hand a new database the old one's
 // events.
 func addBrokerFlags(cmd *cobra.Command, url, stream *string) {
-	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222) instead of the embedded broker")
+	cmd.Flags().StringVar(url, "broker", "", "NATS JetStream URL (nats://127.0.0.1:4222), or a cluster's URLs separated by commas, instead of the embedded broker")
 	cmd.Flags().StringVar(stream, "nats-stream", natsStream, "JetStream stream name with --broker; one stream per database")
 }
 
@@ -463,12 +505,50 @@ func brokerName(url, stream string) string {
 }
 
 // checkBrokerURL returns an error unless url is empty (the embedded broker)
-// or a nats:// URL. Commands check it before they touch the database.
+// or nats:// URLs separated by commas (the servers of one cluster).
+// Commands check it before they touch the database.
 func checkBrokerURL(url string) error {
-	if url != "" && !strings.HasPrefix(url, "nats://") {
-		return fmt.Errorf("--broker %q: want a nats:// URL", url)
+	if url == "" {
+		return nil
+	}
+	for _, server := range strings.Split(url, ",") {
+		if !strings.HasPrefix(strings.TrimSpace(server), "nats://") {
+			return fmt.Errorf("--broker %q: want a nats:// URL, or several separated by commas", url)
+		}
 	}
 	return nil
+}
+
+// addNATSMonitorFlag adds --nats-monitor, which serve, relay and worker
+// read the servers' sync policy from at start.
+func addNATSMonitorFlag(cmd *cobra.Command, monitor *string) {
+	cmd.Flags().StringVar(monitor, "nats-monitor", "",
+		"with --broker: the NATS servers' HTTP monitoring URLs (http://127.0.0.1:8222), separated by commas, to warn at start if one acknowledges publishes before they are on disk")
+}
+
+// warnNATSDurability logs a warning for each setting of the NATS stream or
+// servers that lets the broker lose what it acknowledged (see
+// natsDurabilityWarnings). A process starts anyway: the settings are the
+// operator's to choose, and the warning says what each costs.
+func warnNATSDurability(ctx context.Context, app *App, monitor string, logger *slog.Logger) error {
+	broker, ok := app.broker.(*natsBroker)
+	if !ok {
+		if monitor != "" {
+			return errors.New("--nats-monitor needs --broker")
+		}
+		return nil
+	}
+	var monitorURLs []string
+	for _, monitorURL := range strings.Split(monitor, ",") {
+		if monitorURL = strings.TrimSpace(monitorURL); monitorURL != "" {
+			monitorURLs = append(monitorURLs, monitorURL)
+		}
+	}
+	warnings, err := natsDurabilityWarnings(ctx, broker, monitorURLs)
+	for _, warning := range warnings {
+		logger.Warn(warning.Message, "setting", warning.Setting)
+	}
+	return err
 }
 
 // useBroker switches app to NATS JetStream and stream if url is set, and
@@ -497,6 +577,10 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 type chaosClockFlags struct {
 	file string
 	skew time.Duration
+	// setAside makes the process fail where a broken dependency would,
+	// so that what it works on is set aside for an operator (see
+	// setAsideFaults).
+	setAside bool
 }
 
 // addClockFlags adds the hidden --clock-file and --clock-skew flags: the
@@ -507,8 +591,10 @@ type chaosClockFlags struct {
 func addClockFlags(cmd *cobra.Command, clock *chaosClockFlags) {
 	cmd.Flags().StringVar(&clock.file, "clock-file", "", "add the duration written in this file to the clock")
 	cmd.Flags().DurationVar(&clock.skew, "clock-skew", 0, "run the clock this far ahead")
+	cmd.Flags().BoolVar(&clock.setAside, "set-aside", false, "fail every publish, consumer apply, saga step effect and processor answer")
 	cmd.Flags().MarkHidden("clock-file")
 	cmd.Flags().MarkHidden("clock-skew")
+	cmd.Flags().MarkHidden("set-aside")
 }
 
 // noArgs rejects positional arguments with a hint: the database is named
@@ -679,10 +765,10 @@ func newInspectCommand() *cobra.Command {
 // newTraceCommand builds "retrysafe trace".
 func newTraceCommand() *cobra.Command {
 	var dbPath string
-	var mermaid bool
+	var mermaid, svg bool
 	cmd := &cobra.Command{
 		Use:   "trace ORDER_ID",
-		Short: "Print one order's journey through every table, in time order (or --mermaid)",
+		Short: "Print one order's journey through every table, in time order (or --mermaid, --svg)",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) != 1 {
 				return fmt.Errorf("%s takes one ORDER_ID (got %d arguments); 'retrysafe inspect --db FILE' lists the orders", cmd.CommandPath(), len(args))
@@ -707,14 +793,20 @@ func newTraceCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if mermaid {
+			switch {
+			case mermaid && svg:
+				return fmt.Errorf("%s takes --mermaid or --svg, not both", cmd.CommandPath())
+			case mermaid:
 				return printMermaid(cmd.OutOrStdout(), t)
+			case svg:
+				return printSVG(cmd.OutOrStdout(), t)
 			}
 			return printTrace(cmd.OutOrStdout(), t)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&mermaid, "mermaid", false, "print a Mermaid sequenceDiagram instead of text")
+	cmd.Flags().BoolVar(&svg, "svg", false, "print the sequence diagram as an SVG image instead of text")
 	return cmd
 }
 
@@ -726,7 +818,7 @@ func newCleanupCommand() *cobra.Command {
 		Short: "Delete expired idempotency keys and delivered messages older than a week",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			app, err := openExistingApp(cmd.Context(), dbPath, nil)
+			app, err := openExistingApp(cmd.Context(), dbPath, nil, nil)
 			if err != nil {
 				return err
 			}

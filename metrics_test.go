@@ -741,7 +741,7 @@ func TestProcessesLogJSONAndServeMetrics(t *testing.T) {
 	background := map[string]bool{"relay published": true, "inbox": true, "saga step": true, "saga compensated": true}
 	seen := map[string]bool{}
 	for _, p := range []*process{serveProcess, relay, worker} {
-		if err := <-p.exited; err != nil {
+		if err := mustReceive(t, p.name+" to exit", p.exited); err != nil {
 			t.Errorf("%s exited with %v", p.name, err)
 		}
 		for _, record := range jsonRecords(t, p.name, p.out.snapshot()) {
@@ -846,16 +846,16 @@ func BenchmarkMetricsObserveRequest(b *testing.B) {
 	}
 }
 
-// Ensure the README's "Metrics and logs" section lists exactly the metrics
+// Ensure docs/observability.md's "Metrics and logs" section lists exactly the metrics
 // there are, and its example line is one the demo prints.
-func TestREADMEMetricsAndLogs(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
+func TestDocsMetricsAndLogs(t *testing.T) {
+	readme, err := os.ReadFile("docs/observability.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, section, found := strings.Cut(string(readme), "\n## Metrics and logs\n")
 	if !found {
-		t.Fatal(`README has no "## Metrics and logs" section`)
+		t.Fatal(`docs/observability.md has no "## Metrics and logs" section`)
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 	var listed []string
@@ -877,7 +877,7 @@ func TestREADMEMetricsAndLogs(t *testing.T) {
 	slices.Sort(listed)
 	slices.Sort(exported)
 	if !slices.Equal(listed, exported) {
-		t.Errorf("the README lists\n%v\nthe metrics are\n%v", listed, exported)
+		t.Errorf("docs/observability.md lists\n%v\nthe metrics are\n%v", listed, exported)
 	}
 
 	example := regexp.MustCompile("(?m)^\\{\"level\".*\\}$").FindString(section)

@@ -21,7 +21,7 @@ const mutationsEnv = "RETRYSAFE_MUTATIONS"
 // whose code has moved on fails loudly instead of testing nothing.
 type mutation struct {
 	name  string
-	fault string // what it puts back, as the README's flaw tables name it
+	fault string // what it puts back, as the flaw tables of docs/sample-flaws.md and docs/faults-found.md name it
 	edits []mutationEdit
 }
 
@@ -37,7 +37,7 @@ func mutations() []mutation {
 			name:  "SagaWritesUnfenced",
 			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
 			edits: []mutationEdit{
-				{"saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
+				{"infra_saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
 				{"saga.go", "\tif err := oneRowOr(advanced, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = advanced"},
 				{"saga.go", "\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = failed"},

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"regexp"
@@ -10,7 +11,7 @@ import (
 	"time"
 )
 
-// Ensure the drill of README "Operate it" works as written: with the
+// Ensure the drill of "Operate it" (docs/operate-and-repair.md) works as written: with the
 // broker down, an order's OrderCreated waits in the outbox (the backlog and
 // its age show on /metrics), then fails after its attempts and check names
 // it; once the broker is back, outbox retry releases it, the backlog
@@ -45,7 +46,7 @@ func TestOperateDrill(t *testing.T) {
 		})
 		return base, metrics, func() {
 			stop()
-			if err := <-exited; err != nil {
+			if err := mustReceive(t, "serve to exit", exited); err != nil {
 				t.Errorf("serve: %v\n%s", err, strings.Join(out.snapshot(), "\n"))
 			}
 		}
@@ -57,16 +58,6 @@ func TestOperateDrill(t *testing.T) {
 			t.Fatalf("/metrics has no %s", name)
 		}
 		return value
-	}
-	waitFor := func(what string, done func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(time.Minute)
-		for !done() {
-			if time.Now().After(deadline) {
-				t.Fatalf("waited a minute for %s", what)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
 	}
 
 	base, metrics, stop := start("--broker-down")
@@ -90,7 +81,11 @@ func TestOperateDrill(t *testing.T) {
 	if pending := gauge(metrics, "retrysafe_outbox_pending_events"); pending != 1 {
 		t.Fatalf("with the broker down, %v events pending; want the order's 1", pending)
 	}
-	waitFor("the event to fail", func() bool { return gauge(metrics, "retrysafe_outbox_failed_events") == 1 })
+	// Real processes with real backoffs: slower to settle than waitLimit.
+	eventually(t, "the event to fail", time.Minute, func() (bool, string) {
+		failed := gauge(metrics, "retrysafe_outbox_failed_events")
+		return failed == 1, fmt.Sprintf("%v failed events", failed)
+	})
 	if out, err := runArgs("check", "--db", target, "--in-flight"); err == nil || !strings.Contains(out, failedEventsInvariant) || !strings.Contains(out, orderID) {
 		t.Fatalf("check with a failed event: %v\n%s", err, out)
 	}
@@ -106,10 +101,11 @@ func TestOperateDrill(t *testing.T) {
 	if out, err := runArgs("outbox", "retry", "--db", target, "--operator", "drill", "--all-failed"); err != nil {
 		t.Fatalf("outbox retry: %v\n%s", err, out)
 	}
-	waitFor("the backlog to drain and the order to be paid", func() bool {
+	eventually(t, "the backlog to drain and the order to be paid", time.Minute, func() (bool, string) {
 		var status string
 		err := db.QueryRowContext(context.Background(), `SELECT status FROM orders WHERE order_id = ?`, orderID).Scan(&status)
-		return err == nil && status == string(orderPaid) && gauge(metrics, "retrysafe_outbox_pending_events") == 0
+		pending := gauge(metrics, "retrysafe_outbox_pending_events")
+		return err == nil && status == string(orderPaid) && pending == 0, fmt.Sprintf("order %s (%v), %v events pending", status, err, pending)
 	})
 	if failed := gauge(metrics, "retrysafe_outbox_failed_events"); failed != 0 {
 		t.Fatalf("%v failed events after the retry; want 0", failed)

@@ -199,60 +199,59 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 }
 
 // relayOnce publishes one batch of pending outbox events to the broker and
-// marks them published: the article's sweep_once(). It returns how many it published.
+// marks them published: the article's sweep_once(). It returns how many it
+// published.
 //
 // A crash after publishing and before marking leaves the events claimed; once
 // the lease passes, a relay publishes them again (the broker drops the copy by
 // message id). A failed publish is retried with relayBackoff, and after
 // maxPublishAttempts the event is marked failed: kept, shown by inspect,
 // never dropped.
-func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (int, error) {
+func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (published int, err error) {
+	// Sample flaw 9: it published pending rows without claiming them, so
+	// two relays published every event twice. Here a batch is claimed
+	// under a lease first.
 	events, err := a.claimOutboxEvents(ctx, relayID, batchSize)
-	if err != nil {
+	if err != nil || len(events) == 0 {
 		return 0, err
 	}
-	if len(events) == 0 {
-		return 0, nil
-	}
+	// The batch is one "send" span, and is logged and counted when it ends
+	// (observeRelay).
 	ctx, span := a.startSendSpan(ctx, relayID, events)
-	defer span.End()
+	defer func() { a.observeRelay(span, relayID, events, published, err) }()
 	msgs := make([]message, len(events))
 	for i, event := range events {
 		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
 	}
 	// One batch: a broker round trip per batch, not per event.
-	err = a.broker.publishBatch(ctx, msgs)
-	if err != nil {
-		failSpan(span, err)
+	if err := a.broker.publishBatch(ctx, msgs); err != nil {
+		return 0, a.recordPublishFailures(ctx, relayID, events, err)
 	}
-	if errors.Is(err, errCrash) {
-		return 0, err
-	}
-	if err != nil {
-		for _, event := range events {
-			if err := a.recordPublishFailure(ctx, relayID, event, err); err != nil {
-				return 0, err
-			}
-		}
-		return 0, nil
-	}
-	// The broker has the batch: its consumers, in this process, need not
-	// wait for their next poll.
-	a.wake.published()
+	// The broker has the batch, the outbox still says pending.
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
-		failSpan(span, err)
 		return 0, err
 	}
 	if err := a.markPublished(ctx, relayID, events); err != nil {
-		failSpan(span, err)
 		return 0, err
 	}
-	log := withTraceID(a.log, span.SpanContext())
-	for _, event := range events {
-		log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
-	}
-	a.metrics.published(len(events))
 	return len(events), nil
+}
+
+// recordPublishFailures records that the broker refused events
+// (recordPublishFailure), unless the process is dying (errCrash): then it
+// records nothing and returns publishErr.
+func (a *App) recordPublishFailures(ctx context.Context, relayID string, events []outboxEvent, publishErr error) error {
+	if errors.Is(publishErr, errCrash) {
+		return publishErr
+	}
+	// The send failed, though relayOnce returns no error: it recorded why.
+	failSpan(trace.SpanFromContext(ctx), publishErr)
+	for _, event := range events {
+		if err := a.recordPublishFailure(ctx, relayID, event, publishErr); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // markPublished marks events published, in one statement for the batch.

@@ -193,6 +193,9 @@ func TestOutbox(t *testing.T) {
 			t.Fatal(err)
 		}
 		bPublished, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		// A test that fails while B is held still lets B go.
+		releaseB := sync.OnceFunc(func() { close(resumeB) })
+		t.Cleanup(releaseB)
 		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
 			switch {
 			case workerOf(ctx) == "A" && point == faultPublish:
@@ -201,19 +204,20 @@ func TestOutbox(t *testing.T) {
 					_, err := env.app.relayOnce(withWorker(ctx, "B"), "relay", relayBatchSize)
 					bDone <- err
 				}()
-				<-bPublished
+				mustReceive(t, "relay B to take the event over and publish it", bPublished)
 				return errors.New("broker connection reset")
 			case workerOf(ctx) == "B" && point == faultAfterPublish:
 				close(bPublished)
-				<-resumeB
+				_, err := await("the test to let relay B mark the event", resumeB)
+				return err
 			}
 			return nil
 		})
 		if _, err := env.app.relayOnce(withWorker(ctx, "A"), "relay", relayBatchSize); err != nil {
 			t.Fatal(err)
 		}
-		close(resumeB)
-		if err := <-bDone; err != nil {
+		releaseB()
+		if err := mustReceive(t, "relay B to finish", bDone); err != nil {
 			t.Fatal(err)
 		}
 		if got := env.str(t, `SELECT status || ':' || attempts FROM outbox_events`); got != "published:9" {

@@ -492,19 +492,18 @@ func TestInboxReplay(t *testing.T) {
 // a published message reaches a pull consumer a moment later.
 func waitForOrderStatus(tb testing.TB, env *testEnv, orderID string, status orderStatus) {
 	tb.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for time.Now().Before(deadline) {
+	eventually(tb, fmt.Sprintf("order %s to become %s", orderID, status), 20*time.Second, func() (bool, string) {
 		if _, err := env.app.runWorkersOnce(context.Background(), "test-worker"); err != nil {
 			tb.Fatalf("workers: %v", err)
 		}
-		if env.str(tb, `SELECT status FROM orders WHERE order_id = ?`, orderID) == string(status) {
-			env.drain(tb)
-			return
+		got := env.str(tb, `SELECT status FROM orders WHERE order_id = ?`, orderID)
+		if got == string(status) {
+			return true, ""
 		}
 		env.clock.advance(time.Second)
-		time.Sleep(10 * time.Millisecond)
-	}
-	tb.Fatalf("order %s never became %s", orderID, status)
+		return false, fmt.Sprintf("it %s; %s", got, env.unsettled(tb))
+	})
+	env.drain(tb)
 }
 
 // compensationFailedSaga creates an order whose confirm step fails and
@@ -1025,16 +1024,16 @@ func TestAdminAPI(t *testing.T) {
 	})
 }
 
-// Ensure every command and flag in the README's "Repair what was set
+// Ensure every command and flag in docs/operate-and-repair.md's "Repair what was set
 // aside" section exists, and every admin endpoint it lists is routed.
-func TestREADMERepairSection(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
+func TestDocsRepairSection(t *testing.T) {
+	readme, err := os.ReadFile("docs/operate-and-repair.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, section, ok := strings.Cut(string(readme), "## Repair what was set aside\n")
 	if !ok {
-		t.Fatal("README has no section \"Repair what was set aside\"")
+		t.Fatal("docs/operate-and-repair.md has no section \"Repair what was set aside\"")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 
@@ -1053,11 +1052,11 @@ func TestREADMERepairSection(t *testing.T) {
 		commands++
 		cmd, rest, err := newRootCommand().Find(fields[1:])
 		if err != nil || cmd.Name() != fields[2] {
-			t.Fatalf("README names %q, which is no command (%v)", line, err)
+			t.Fatalf("docs/operate-and-repair.md names %q, which is no command (%v)", line, err)
 		}
 		for _, word := range rest {
 			if name, ok := strings.CutPrefix(word, "--"); ok && cmd.Flags().Lookup(name) == nil {
-				t.Errorf("README gives %s the flag --%s, which it does not have", cmd.CommandPath(), name)
+				t.Errorf("docs/operate-and-repair.md gives %s the flag --%s, which it does not have", cmd.CommandPath(), name)
 			}
 		}
 	}
@@ -1071,7 +1070,7 @@ func TestREADMERepairSection(t *testing.T) {
 			}
 		}
 		if !found {
-			t.Errorf("README names --%s, which no repair command has", name)
+			t.Errorf("docs/operate-and-repair.md names --%s, which no repair command has", name)
 		}
 	}
 	if commands < 6 {
@@ -1088,7 +1087,7 @@ func TestREADMERepairSection(t *testing.T) {
 		path := regexp.MustCompile(`\{([a-z_]+)\}`).ReplaceAllString(endpoint[2], "$1") + endpoint[3]
 		r := adminCall(t, ts, endpoint[1], path, testAdminKey, "")
 		if r.Status == http.StatusMethodNotAllowed || strings.Contains(r.Body, "no admin route") {
-			t.Errorf("README lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
+			t.Errorf("docs/operate-and-repair.md lists %s %s, which is not routed: %d %s", endpoint[1], endpoint[2], r.Status, r.Body)
 		}
 	}
 }
@@ -1300,16 +1299,14 @@ func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
 				body, err := io.ReadAll(resp.Body)
 				answered <- answer{resp.StatusCode, string(body), err}
 			}()
-			deadline := time.After(time.Minute)
-			for readers.Stats().WaitCount == waited {
+			eventually(t, "the repair's audit to ask for a read connection", waitLimit, func() (bool, string) {
 				select {
 				case got := <-answered:
 					t.Fatalf("with every read connection held, the repair was answered (%d %v): its audit did not read on them", got.status, got.err)
-				case <-deadline:
-					t.Fatal("waited a minute for the repair's audit to ask for a read connection")
-				case <-time.After(time.Millisecond):
+				default:
 				}
-			}
+				return readers.Stats().WaitCount != waited, "no wait for a read connection"
+			})
 			if got := env.str(t, `SELECT status FROM outbox_events WHERE event_id = ?`, failed); got != string(outboxPending) {
 				t.Fatalf("the event is %s while the audit waits; want the repair committed", got)
 			}
@@ -1328,7 +1325,7 @@ func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
 			default:
 			}
 			release()
-			got := <-answered
+			got := mustReceive(t, "the repair's answer once a read connection was free", answered)
 			want := http.StatusOK
 			if via == "console" {
 				want = http.StatusSeeOther

@@ -18,6 +18,13 @@
 // The payment service runs the saga; it learns of new orders by consuming
 // OrderCreated (startFulfilment), so a redelivered OrderCreated starts no
 // second saga.
+//
+// This file is the saga as the article has it: what happens next
+// (nextSagaAction and the decisions below it, pure functions), each step
+// (runStep), and compensate. The engine that applies them, infra_saga.go,
+// can be skipped on a first reading: it claims sagas under a lease, fences
+// every write with it, and advances many sagas together in rounds, with the
+// processor calls outside any transaction.
 
 package main
 
@@ -27,11 +34,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sort"
 	"strings"
 	"time"
-
-	"go.opentelemetry.io/otel/trace"
 )
 
 // paymentServiceConsumer is the payment service's subscription.
@@ -222,472 +226,125 @@ func readSaga(ctx context.Context, q queryer, sagaID string) (sagaRow, []sagaSte
 	return saga, steps, nil
 }
 
-// sagaBackoff is how long a saga waits after its attempts-th transient
-// failure: 1s, 2s, 4s ... at most a minute.
-func sagaBackoff(attempts int) time.Duration {
-	return min(time.Second<<min(attempts-1, 6), time.Minute)
-}
+// What a saga does next: the article's state machine, as functions of what
+// was read, with no I/O, so that each decision is tested on its own
+// (TestSagaDecisions). The engine (infra_saga.go) reads the saga, asks them,
+// and applies the answer under the saga's lease.
 
-// sagaOnce claims up to max runnable sagas under a lease and advances them
-// together, in rounds, each as far as it can go now. A saga is runnable
-// when it is in progress or compensating, due, and not leased to a live
-// worker; so this is also the recovery pass: a saga whose worker died is
-// resumed, forward or backward, once its lease passes. It returns how many
-// sagas it ran.
-//
-// A round takes every claimed saga one step: the card calls of the round
-// first, outside any transaction (sagaCalls), then every saga's local step,
-// or the record of its call, in one transaction with a savepoint per saga
-// (sagaStepIn). One commit per round, not one per saga and step.
-func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
-	var leases []sagaClaim
-	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		leases = nil
-		now := a.now()
-		// lease_token + 1: the claim's fencing token (see sagaClaim).
-		rows, err := tx.QueryContext(ctx, `
-			UPDATE saga_instances SET locked_by = ?, locked_until = ?, lease_token = lease_token + 1
-			WHERE saga_id IN (
-				SELECT saga_id FROM saga_instances
-				WHERE status IN ('in_progress', 'compensating')
-				  AND next_attempt_at <= ?
-				  AND (locked_until IS NULL OR locked_until <= ?)
-				ORDER BY next_attempt_at
-				LIMIT ? `+dialectOf(a.db).skipLocked+`)
-			RETURNING saga_id, lease_token`,
-			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
-		if err != nil {
-			return fmt.Errorf("claim sagas: %w", err)
-		}
-		defer rows.Close()
-		for rows.Next() {
-			lease := sagaClaim{WorkerID: workerID}
-			if err := rows.Scan(&lease.SagaID, &lease.Token); err != nil {
-				return fmt.Errorf("scan saga id: %w", err)
-			}
-			leases = append(leases, lease)
-		}
-		return rows.Err()
-	})
-	if err != nil {
-		return 0, err
-	}
-	// RETURNING gives no order; run them in the order claimed, so that a
-	// pass is the same every time (the simulator replays it from a seed).
-	sort.Slice(leases, func(i, j int) bool { return leases[i].SagaID < leases[j].SagaID })
-	runs := make([]*sagaRun, len(leases))
-	for i, lease := range leases {
-		runs[i] = &sagaRun{lease: lease}
-	}
-	var failures []error
-	for len(runs) > 0 {
-		round := runs
-		runs, err = a.sagaRound(ctx, round, &failures)
-		failSagaSpans(round, err)
-		if err != nil {
-			return 0, errors.Join(append(failures, err)...)
-		}
-	}
-	return len(leases), errors.Join(failures...)
-}
-
-// sagaRun is one claimed saga while sagaOnce advances it: what the worker
-// read of it this round, and what the processor answered.
-type sagaRun struct {
-	lease sagaClaim
-	saga  sagaRow
-	steps []sagaStepRow
-	// order is read once: what the saga uses of it (items, amount,
-	// payment method) never changes.
-	order orderRow
-	// step is the step this round runs (in progress) or undoes
-	// (compensating); ok is false when there is none.
-	step   sagaStepRow
-	stepOK bool
-	// unexpected is set when the saga cannot go on at all (a bug, a
-	// broken row): it is set aside.
-	unexpected error
-	// called: the processor was called for step this round; chargeID and
-	// callErr are its answer.
-	called   bool
-	chargeID string
-	callErr  error
-	// renewed: the last round's commit recorded a step of this saga, and
-	// renewed its lease with it (fenceSaga).
-	renewed bool
-	// span is the span of what this round does to the saga (tracing.go).
-	span trace.Span
-}
-
-// sagaNext says what becomes of a saga after its step in a round.
-type sagaNext int
+// sagaActionKind is what a saga does next.
+type sagaActionKind int
 
 const (
-	// sagaAgain: the saga goes on in the next round, read afresh.
-	sagaAgain sagaNext = iota
-	// sagaStepDone: a forward step is recorded, and the lease renewed with
-	// it; the saga goes on.
-	sagaStepDone
-	// sagaCompensatedStep: one compensation is recorded; the saga goes on.
-	sagaCompensatedStep
-	// sagaLeft: the saga is terminal, waits for a retry, or is another
-	// worker's now; this pass is done with it.
-	sagaLeft
-	// sagaWroteEvent: like sagaLeft, and the step's transaction wrote an
-	// event to the outbox (PaymentCaptured, OrderCancelled).
-	sagaWroteEvent
+	// actionNone: the saga has ended (completed, compensated or
+	// compensation_failed); there is nothing to do.
+	actionNone sagaActionKind = iota
+	// actionRunStep: run the saga's pending step (sagaAction.step).
+	actionRunStep
+	// actionCompensate: undo the done steps, last first, then cancel the
+	// order (compensate).
+	actionCompensate
 )
 
-// String names what became of a saga after its step, for the log.
-func (n sagaNext) String() string {
-	switch n {
-	case sagaAgain:
-		return "again"
-	case sagaStepDone:
-		return "step done"
-	case sagaCompensatedStep:
-		return "step compensated"
-	case sagaLeft:
-		return "left for now"
-	case sagaWroteEvent:
-		return "ended, event written"
-	}
-	return fmt.Sprintf("sagaNext(%d)", int(n))
+// sagaAction is what a saga does next, and the step it runs.
+type sagaAction struct {
+	kind sagaActionKind
+	step sagaStepRow
 }
 
-// sagaRound reads every saga in runs, makes the round's processor calls,
-// then runs every saga's step in one transaction, and returns the sagas
-// that go on. Every write is fenced by its saga's lease (fenceSaga, in the
-// write's own savepoint), and a status only moves forward (in_progress ->
-// completed, or in_progress -> compensating -> compensated |
-// compensation_failed): a worker acting on what it read before a pause can
-// neither record a step over another worker's nor pull a saga back.
-//
-// A saga that fails unexpectedly (a bug, a broken row) is set aside for a
-// minute and reported in failures; it does not hold up the others. Returns
-// an error only when the worker must stop: errCrash, or the database
-// failing (nothing of the round's transaction is committed then; the sagas
-// come back when their leases pass).
-func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error) ([]*sagaRun, error) {
-	for _, run := range runs {
-		a.readSagaRun(ctx, run)
-		a.startSagaSpan(ctx, run)
-		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
-			return nil, err
-		}
-	}
-	if err := a.sagaCalls(ctx, runs); err != nil {
-		return nil, err
-	}
-	var nexts []sagaNext
-	var asides []error
-	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
-		nexts, asides = make([]sagaNext, len(runs)), make([]error, len(runs))
-		for i, run := range runs {
-			switch {
-			case run.called && errors.Is(run.callErr, errSagaLeaseLost):
-				nexts[i] = sagaLeft
-			case run.unexpected != nil:
-				// A bug or a broken row must not hold up the other
-				// sagas: put it back for later and report it.
-				asides[i] = run.unexpected
-				nexts[i] = sagaLeft
-				err := a.setSagaAside(ctx, tx, run.lease, run.unexpected)
-				if err != nil && !errors.Is(err, errSagaLeaseLost) {
-					return err
-				}
-			default:
-				// The events the step writes are created in its span.
-				next, err := a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, run)
-				if err != nil {
-					return err
-				}
-				nexts[i] = next
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	var again []*sagaRun
-	wroteEvent := false
-	for i, run := range runs {
-		endSagaSpan(run, nexts[i])
-		log := withTraceID(a.log, run.span.SpanContext())
-		switch {
-		case run.stepOK:
-			log.Info("saga step", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "saga_status", string(run.saga.Status),
-				"step", run.step.Name, "then", nexts[i].String())
-		case run.saga.Status == sagaCompensating && nexts[i] == sagaWroteEvent:
-			// Every step undone: finishCompensation wrote OrderCancelled.
-			log.Info("saga compensated", "saga_id", run.lease.SagaID, "order_id", run.saga.OrderID, "then", nexts[i].String())
-		}
-		switch {
-		case nexts[i] == sagaCompensatedStep:
-			a.metrics.compensated(run.step.Name)
-		case nexts[i] == sagaWroteEvent && run.saga.Status == sagaInProgress:
-			// The last step ran: the saga completed.
-			a.metrics.sagaEnded(sagaCompleted)
-		case nexts[i] == sagaWroteEvent:
-			// Every step undone: the saga is compensated.
-			a.metrics.sagaEnded(sagaCompensated)
-		}
-		if asides[i] != nil {
-			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
-		}
-		// The next round's processor call needs no renewal of its own
-		// right after a commit that renewed the lease.
-		run.renewed = nexts[i] == sagaStepDone
-		switch nexts[i] {
-		case sagaAgain, sagaStepDone:
-			again = append(again, run)
-		case sagaCompensatedStep:
-			if err := a.fault.at(ctx, faultMidCompensation); err != nil {
-				return nil, err
-			}
-			again = append(again, run)
-		case sagaLeft:
-		case sagaWroteEvent:
-			wroteEvent = true
-		default:
-			return nil, fmt.Errorf("bug: unhandled saga next %d", nexts[i])
-		}
-	}
-	if wroteEvent {
-		// PaymentCaptured or OrderCancelled is committed: the relay need
-		// not wait for its next poll to tell the order service.
-		a.wake.relay.signal()
-	}
-	return again, nil
-}
-
-// readSagaRun reads run's saga and steps afresh (and its order the first
-// time), and picks the step this round runs or undoes. A saga that cannot
-// be read (a broken row; or the database failing, which setting it aside
-// then finds out) gets run.unexpected.
-func (a *App) readSagaRun(ctx context.Context, run *sagaRun) {
-	run.called, run.chargeID, run.callErr, run.unexpected = false, "", nil, nil
-	run.step, run.stepOK = sagaStepRow{}, false
-	saga, steps, err := readSaga(ctx, a.db, run.lease.SagaID)
-	if err != nil {
-		run.unexpected = err
-		return
-	}
-	run.saga, run.steps = saga, steps
-	if run.order.OrderID == "" {
-		order, err := readOrder(ctx, a.db, saga.OrderID)
-		if err != nil {
-			run.unexpected = err
-			return
-		}
-		run.order = order
-	}
+// nextSagaAction decides what saga does next, from steps in step order: in
+// progress, it runs its first pending step (they run in order, so that is
+// the next one); compensating, it compensates; ended, nothing. Returns a
+// bug: error for a state no transition leads to.
+func nextSagaAction(saga sagaRow, steps []sagaStepRow) (sagaAction, error) {
 	switch saga.Status {
 	case sagaInProgress:
-		run.step, run.stepOK = firstStepWith(steps, stepPending)
-		if !run.stepOK {
-			run.unexpected = fmt.Errorf("bug: saga %s in progress with no pending step", saga.SagaID)
-		}
-	case sagaCompensating:
-		if a.without == layerSaga {
-			// demo --without saga: nothing is undone, the saga just ends
-			// (demo_without.go).
-			break
-		}
-		// Compensation runs in reverse.
-		run.step, run.stepOK = lastStepWith(steps, stepDone)
-	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
-	default:
-		run.unexpected = fmt.Errorf("bug: unhandled saga status %q", saga.Status)
-	}
-}
-
-// sagaCalls makes the round's processor calls: the charge of every saga
-// at charge_card, the refund of every saga compensating it. They are calls
-// to another system and run outside any transaction, only while the lease
-// holds, and with keys derived from the saga, so a second worker that took
-// a saga over asks for the same charge or refund. The leases are renewed
-// first, in one transaction for all the calls, except those the last
-// round's commit renewed (a saga whose reserve_stock it recorded). A saga
-// whose lease is gone gets callErr errSagaLeaseLost and no call.
-func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
-	var calling []*sagaRun
-	for _, run := range runs {
-		if run.unexpected == nil && run.stepOK && run.step.Name == stepChargeCard {
-			calling = append(calling, run)
-		}
-	}
-	if len(calling) == 0 {
-		return nil
-	}
-	lost := make([]bool, len(calling))
-	var renewing []int
-	for i, run := range calling {
-		if !run.renewed {
-			renewing = append(renewing, i)
-		}
-	}
-	if len(renewing) > 0 {
-		err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
-			clear(lost)
-			now := a.now()
-			for _, i := range renewing {
-				err := a.fenceSaga(ctx, tx, calling[i].lease, now)
-				if errors.Is(err, errSagaLeaseLost) {
-					// A fence that changed no row wrote nothing: the
-					// other leases renew all the same.
-					lost[i] = true
-					continue
-				}
-				if err != nil {
-					return err
-				}
+		for _, step := range steps {
+			if step.Status == stepPending {
+				return sagaAction{kind: actionRunStep, step: step}, nil
 			}
-			return nil
-		})
-		if err != nil {
-			return err
 		}
+		return sagaAction{}, fmt.Errorf("bug: saga %s in progress with no pending step", saga.SagaID)
+	case sagaCompensating:
+		return sagaAction{kind: actionCompensate}, nil
+	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
+		return sagaAction{kind: actionNone}, nil
+	default:
+		return sagaAction{}, fmt.Errorf("bug: unhandled saga status %q", saga.Status)
 	}
-	for i, run := range calling {
-		run.called = true
-		if lost[i] {
-			run.callErr = errSagaLeaseLost
-			continue
-		}
-		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
-			return err
-		}
-		// The call is part of the step's span.
-		ctx := trace.ContextWithSpan(ctx, run.span)
-		if run.saga.Status == sagaInProgress {
-			run.chargeID, run.callErr = a.processor.charge(ctx, chargeRequest{
-				IdempotencyKey: chargeKey(run.saga.SagaID),
-				OrderID:        run.order.OrderID,
-				AmountCents:    run.order.AmountCents,
-				Currency:       run.order.Currency,
-				PaymentMethod:  run.order.PaymentMethod,
-			})
-		} else {
-			_, run.callErr = a.processor.refund(ctx, refundKey(run.saga.SagaID), run.step.Result.String, run.order.AmountCents)
-		}
-		if errors.Is(run.callErr, errCrash) {
-			return run.callErr
-		}
-		if run.callErr != nil {
-			continue
-		}
-		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
-// sagaStepIn runs run's step in its own SAVEPOINT of tx and says what
-// becomes of the saga. A step that fails rolls back to the savepoint, so
-// the other sagas' steps in tx stand; its failure is then recorded in tx:
-// a business failure turns the saga to compensation (failStep), a
-// transient one schedules the next attempt (scheduleRetry).
-//
-// Returns an error only when tx must roll back (errCrash, the context
-// ended, the database failed or must retry the transaction).
-func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
-	if _, err := tx.ExecContext(ctx, `SAVEPOINT saga_step`); err != nil {
-		return sagaLeft, fmt.Errorf("savepoint: %w", err)
-	}
-	next, err := a.sagaStep(ctx, tx, run)
-	if err != nil {
-		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO saga_step`); rollbackErr != nil {
-			return sagaLeft, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+// stepsToUndo returns the steps compensate undoes, in the order it undoes
+// them: the done ones, last first (the sample's "WHERE status='done' ORDER
+// BY step_index DESC"). A step that failed or never ran is not done, so it
+// is not undone.
+func stepsToUndo(steps []sagaStepRow) []sagaStepRow {
+	var undo []sagaStepRow
+	for i := len(steps) - 1; i >= 0; i-- {
+		if steps[i].Status == stepDone {
+			undo = append(undo, steps[i])
 		}
 	}
-	if _, releaseErr := tx.ExecContext(ctx, `RELEASE saga_step`); releaseErr != nil {
-		return sagaLeft, fmt.Errorf("release savepoint: %w", releaseErr)
+	return undo
+}
+
+// afterStepDone returns the saga's status and current step once step is
+// done: in progress at the next step, or completed after the last one.
+func afterStepDone(step sagaStepRow) (sagaStatus, string) {
+	steps := fulfilmentSteps()
+	if step.Index+1 < len(steps) {
+		return sagaInProgress, steps[step.Index+1]
 	}
+	return sagaCompleted, step.Name
+}
+
+// failureAction is what becomes of a saga whose step or compensation
+// failed, for a reason of its own (not the process's or the database's:
+// those roll everything back, see isOurFailure).
+type failureAction int
+
+const (
+	// failureReread: another worker recorded the step first; read the
+	// saga again.
+	failureReread failureAction = iota
+	// failureLeave: another worker holds the saga now; leave it to them.
+	failureLeave
+	// failureCompensate: a business rule failed (declined, out of stock);
+	// turn the saga to compensation.
+	failureCompensate
+	// failureRetryLater: a transient failure, or a compensation failing;
+	// try again after sagaBackoff (retryAfter).
+	failureRetryLater
+)
+
+// afterFailure decides what becomes of a saga in status whose step failed
+// with err. A forward step that failed a business rule compensates; one
+// that failed transiently (a timeout, a busy processor) is retried: a charge
+// that timed out may have happened, and retrying with the same key is what
+// finds out. A compensation that fails is retried too (retryAfter gives up
+// after maxCompensationAttempts).
+func afterFailure(status sagaStatus, err error) failureAction {
 	switch {
-	case err == nil:
-		return next, nil
-	case errors.Is(err, errCrash), ctx.Err() != nil, dialectOf(a.db).retryTx(err), isBusy(err), isDatabaseUnavailable(err):
-		return sagaLeft, err
 	case errors.Is(err, errStepNotPending):
-		// Recorded by another worker first: read the saga again.
-		return sagaAgain, nil
+		return failureReread
 	case errors.Is(err, errSagaLeaseLost):
-		// Another worker has the saga now: leave it to them.
-		return sagaLeft, nil
-	case run.saga.Status == sagaInProgress && isBusinessFailure(err):
-		err := a.failStep(ctx, tx, run.lease, run.saga, run.step, err)
-		return sagaAgainUnlessLost(err)
-	case run.saga.Status == sagaInProgress:
-		// Transient (a timeout, a busy processor): try again later. A
-		// charge that timed out may have happened, so giving up and
-		// compensating would need the charge's id we do not have;
-		// retrying with the same key is what finds it.
-		return sagaLeftUnlessFailed(a.scheduleRetry(ctx, tx, run.lease, run.saga, err, false))
+		return failureLeave
+	case status == sagaInProgress && isBusinessFailure(err):
+		return failureCompensate
 	default:
-		// A compensation can fail too. Retry it, and after
-		// maxCompensationAttempts stop and leave it to an operator.
-		return sagaLeftUnlessFailed(a.scheduleRetry(ctx, tx, run.lease, run.saga, err, true))
+		return failureRetryLater
 	}
 }
 
-// sagaAgainUnlessLost is what becomes of a saga after a write that turned
-// it (failStep): it goes on, unless the write found its lease lost.
-func sagaAgainUnlessLost(err error) (sagaNext, error) {
-	if errors.Is(err, errSagaLeaseLost) {
-		return sagaLeft, nil
+// retryAfter returns the saga's status and attempts after one more
+// transient failure: unchanged, except that a compensation's
+// maxCompensationAttempts-th failure makes it compensation_failed, for an
+// operator to look at.
+func retryAfter(saga sagaRow) (sagaStatus, int) {
+	attempts := saga.Attempts + 1
+	if saga.Status == sagaCompensating && attempts >= maxCompensationAttempts {
+		return sagaCompensationFailed, attempts
 	}
-	if err != nil {
-		return sagaLeft, err
-	}
-	return sagaAgain, nil
-}
-
-// sagaLeftUnlessFailed is what becomes of a saga after a write that
-// released it (scheduleRetry): this pass is done with it either way.
-func sagaLeftUnlessFailed(err error) (sagaNext, error) {
-	if err != nil && !errors.Is(err, errSagaLeaseLost) {
-		return sagaLeft, err
-	}
-	return sagaLeft, nil
-}
-
-// sagaStep runs run's step in tx, or records the processor's answer to it.
-// Each local effect commits with the step's record, fenced by the lease.
-func (a *App) sagaStep(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
-	if run.called && run.callErr != nil {
-		return sagaLeft, run.callErr
-	}
-	now := a.now()
-	switch run.saga.Status {
-	case sagaInProgress:
-		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
-			return sagaLeft, err
-		}
-		return a.runStep(ctx, tx, run, now)
-	case sagaCompensating:
-		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
-			return sagaLeft, err
-		}
-		if !run.stepOK {
-			// Every done step is undone.
-			if err := a.finishCompensation(ctx, tx, run.lease, run.saga, now); err != nil {
-				return sagaLeft, err
-			}
-			return sagaWroteEvent, nil
-		}
-		if err := a.compensateStep(ctx, tx, run, now); err != nil {
-			return sagaLeft, err
-		}
-		return sagaCompensatedStep, nil
-	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
-		// Ended by another worker since this one's claim.
-		return sagaLeft, releaseSaga(ctx, tx, run.lease)
-	default:
-		return sagaLeft, fmt.Errorf("bug: unhandled saga status %q", run.saga.Status)
-	}
+	return saga.Status, attempts
 }
 
 // isBusinessFailure reports whether a step failed for a reason that retrying
@@ -699,25 +356,182 @@ func isBusinessFailure(err error) bool {
 		isPermanent(err)
 }
 
-// firstStepWith returns the first step in the given status.
-func firstStepWith(steps []sagaStepRow, status stepStatus) (sagaStepRow, bool) {
-	for _, step := range steps {
-		if step.Status == status {
-			return step, true
-		}
+// The saga's steps. Each runs in a transaction that the engine opened with
+// fenceSaga (the worker still holds the saga's lease), and records itself
+// done in that transaction, with its local effect.
+
+// runStep runs the saga's pending step, run.step, in tx, and reports
+// whether it was the last one (the saga is completed).
+func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) (completed bool, err error) {
+	switch run.step.Name {
+	case stepReserveStock:
+		return false, a.reserveStockStep(ctx, tx, run, now)
+	case stepChargeCard:
+		return false, a.chargeCardStep(ctx, tx, run, now)
+	case stepConfirm:
+		return true, a.confirmStep(ctx, tx, run, now)
+	default:
+		return false, fmt.Errorf("bug: unhandled saga step %q", run.step.Name)
 	}
-	return sagaStepRow{}, false
 }
 
-// lastStepWith returns the last step in the given status: compensation runs
-// in reverse.
-func lastStepWith(steps []sagaStepRow, status stepStatus) (sagaStepRow, bool) {
-	for i := len(steps) - 1; i >= 0; i-- {
-		if steps[i].Status == status {
-			return steps[i], true
+// reserveStockStep is the saga's reserve_stock: it reserves the order's
+// items, or returns errOutOfStock, and the saga compensates.
+func (a *App) reserveStockStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
+	if err := reserveStock(ctx, tx, run.order, now); err != nil {
+		return err
+	}
+	if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+		return err
+	}
+	// Sample flaw 6: it inserted every step as done up front. A step is
+	// recorded done here, with its effect, only once it ran.
+	return a.markStepDone(ctx, tx, run.lease, run.step, "", now)
+}
+
+// chargeCard asks the processor to charge the order's card, outside any
+// transaction (a call to another system must not hold the database), and
+// returns the charge's id. The engine makes the charges of a round
+// together, then records each in chargeCardStep.
+//
+// The key is derived from the saga and the step, never from the attempt:
+// a charge whose answer was lost is asked for again, by this worker or the
+// one that takes the saga over, and the processor answers with the first
+// charge instead of making a second.
+func (a *App) chargeCard(ctx context.Context, run *sagaRun) (string, error) {
+	return a.processor.charge(ctx, chargeRequest{
+		IdempotencyKey: chargeKey(run.saga.SagaID),
+		OrderID:        run.order.OrderID,
+		AmountCents:    run.order.AmountCents,
+		Currency:       run.order.Currency,
+		PaymentMethod:  run.order.PaymentMethod,
+	})
+}
+
+// chargeCardStep is the saga's charge_card: it records the charge that
+// chargeCard made (run.chargeID), or returns chargeCard's error
+// (errCardDeclined compensates, a timeout is retried with the same key).
+func (a *App) chargeCardStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
+	if !run.called {
+		return fmt.Errorf("bug: saga %s records a charge it did not ask for", run.saga.SagaID)
+	}
+	if run.callErr != nil {
+		return run.callErr
+	}
+	return a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
+}
+
+// confirmStep is the saga's last step, confirm: the reserved stock is sold,
+// and PaymentCaptured goes to the outbox in the same transaction, for the
+// order service to mark the order paid.
+func (a *App) confirmStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
+	charge, ok := firstStepNamed(run.steps, stepChargeCard)
+	if !ok || !charge.Result.Valid {
+		return fmt.Errorf("bug: saga %s confirms without a charge", run.saga.SagaID)
+	}
+	if err := settleReservations(ctx, tx, run.order.OrderID, stockSold, now); err != nil {
+		return err
+	}
+	// Sample flaw 11: it wrote PaymentCaptured and nobody relayed or
+	// consumed it. Here it leaves through the outbox, and the order
+	// service applies it.
+	paymentCaptured, err := a.newOutboxEvent(eventPaymentCaptured, run.order.OrderID, paymentCapturedPayload{
+		OrderID:     run.order.OrderID,
+		ChargeID:    charge.Result.String,
+		AmountCents: run.order.AmountCents,
+	})
+	if err != nil {
+		return err
+	}
+	if err := insertOutboxEvent(ctx, tx, paymentCaptured, now); err != nil {
+		return err
+	}
+	if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+		return err
+	}
+	return a.markStepDone(ctx, tx, run.lease, run.step, "", now)
+}
+
+// compensate undoes the saga's done steps, last first, and then ends the
+// saga and cancels the order: the article's compensate(). Each undo, and
+// the end, is a transaction of its own fenced by the saga's lease
+// (inSagaTx), so a crash between two leaves the saga compensating with the
+// rest to do, and the worker that resumes it undoes each step once.
+// run.steps are the steps as read when the engine picked the saga.
+//
+// Returns errSagaLeaseLost if another worker holds the saga now, and an
+// undo's error if it failed: the engine retries the saga later.
+func (a *App) compensate(ctx context.Context, run *sagaRun) error {
+	for _, step := range stepsToUndo(run.steps) {
+		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+			return err
+		}
+		// Traced, logged and counted as one saga step (observeCompensation).
+		if err := a.observeCompensation(ctx, run, step, a.undoStep); err != nil {
+			return err
+		}
+		// markStepCompensated started the count of attempts again.
+		run.saga.Attempts = 0
+		if err := a.fault.at(ctx, faultMidCompensation); err != nil {
+			return err
 		}
 	}
-	return sagaStepRow{}, false
+	if err := a.fault.at(ctx, faultBeforeStep); err != nil {
+		return err
+	}
+	return a.observeCompensation(ctx, run, sagaStepRow{}, a.cancelOrder)
+}
+
+// undoStep undoes one done step of run's saga and records it undone.
+//
+// Sample flaw 7: it ran a compensation, then recorded it, outside any
+// transaction: a crash in between released the stock twice on resume. Here
+// a local compensation (the stock) commits with its record, and a remote one
+// (the refund) is asked for under a key derived from the saga, so the
+// processor refunds once however often it is asked.
+func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) error {
+	switch step.Name {
+	case stepReserveStock:
+		return a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
+			if err := settleReservations(ctx, tx, run.order.OrderID, stockReleased, now); err != nil {
+				return err
+			}
+			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
+				return err
+			}
+			return a.markStepCompensated(ctx, tx, run.lease, step, now)
+		})
+	case stepChargeCard:
+		// A call to another system: outside any transaction, and only
+		// while the lease holds.
+		if err := a.inSagaTx(ctx, run, renewLease); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
+			return err
+		}
+		if _, err := a.processor.refund(ctx, refundKey(run.saga.SagaID), step.Result.String, run.order.AmountCents); err != nil {
+			return err
+		}
+		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
+			return err
+		}
+		return a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
+			return a.markStepCompensated(ctx, tx, run.lease, step, now)
+		})
+	default:
+		// confirm is the last step: once it is done the saga is completed
+		// and never compensates.
+		return fmt.Errorf("bug: saga %s cannot undo step %q", run.saga.SagaID, step.Name)
+	}
+}
+
+// cancelOrder ends run's saga once its done steps are undone
+// (finishCompensation). step is unused: it has the shape of undoStep.
+func (a *App) cancelOrder(ctx context.Context, run *sagaRun, step sagaStepRow) error {
+	return a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
+		return a.finishCompensation(ctx, tx, run.lease, run.saga, now)
+	})
 }
 
 // chargeKey is the idempotency key the saga charges the card with: derived
@@ -732,84 +546,6 @@ func refundKey(sagaID string) string {
 	return sagaID + ":" + stepChargeCard + ":refund"
 }
 
-// runStep runs run's pending forward step in tx, after fenceSaga: a local
-// effect commits with the step's record. The charge itself happened at the
-// processor (sagaCalls), outside any transaction: here it is recorded.
-func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) (sagaNext, error) {
-	switch run.step.Name {
-	case stepReserveStock:
-		if err := reserveStock(ctx, tx, run.order, now); err != nil {
-			return sagaLeft, err
-		}
-		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-			return sagaLeft, err
-		}
-		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
-	case stepChargeCard:
-		if !run.called {
-			return sagaLeft, fmt.Errorf("bug: saga %s records a charge it did not ask for", run.saga.SagaID)
-		}
-		return sagaStepDone, a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
-	case stepConfirm:
-		charge, ok := firstStepNamed(run.steps, stepChargeCard)
-		if !ok || !charge.Result.Valid {
-			return sagaLeft, fmt.Errorf("bug: saga %s confirms without a charge", run.saga.SagaID)
-		}
-		if err := settleReservations(ctx, tx, run.order.OrderID, stockSold, now); err != nil {
-			return sagaLeft, err
-		}
-		// The payment result leaves through the outbox, in the same
-		// transaction that records it; the order service applies it.
-		paymentCaptured, err := a.newOutboxEvent(eventPaymentCaptured, run.order.OrderID, paymentCapturedPayload{
-			OrderID:     run.order.OrderID,
-			ChargeID:    charge.Result.String,
-			AmountCents: run.order.AmountCents,
-		})
-		if err != nil {
-			return sagaLeft, err
-		}
-		if err := insertOutboxEvent(ctx, tx, paymentCaptured, now); err != nil {
-			return sagaLeft, err
-		}
-		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-			return sagaLeft, err
-		}
-		// The last step: this completes the saga.
-		return sagaWroteEvent, a.markStepDone(ctx, tx, run.lease, run.step, "", now)
-	default:
-		return sagaLeft, fmt.Errorf("bug: unhandled saga step %q", run.step.Name)
-	}
-}
-
-// compensateStep undoes run's last done step in tx, after fenceSaga: one
-// step of the article's compensate(), which finishCompensation ends. A
-// local compensation commits with its record; the refund happened at the
-// processor (sagaCalls) under an idempotency key, so a crash between the
-// refund and its record refunds once on resume.
-func (a *App) compensateStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
-	switch run.step.Name {
-	case stepReserveStock:
-		if err := settleReservations(ctx, tx, run.order.OrderID, stockReleased, now); err != nil {
-			return err
-		}
-		if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
-			return err
-		}
-		return a.markStepCompensated(ctx, tx, run.lease, run.step, now)
-	case stepChargeCard:
-		if !run.called {
-			return fmt.Errorf("bug: saga %s records a refund it did not ask for", run.saga.SagaID)
-		}
-		return a.markStepCompensated(ctx, tx, run.lease, run.step, now)
-	case stepConfirm:
-		// confirm is the last step: once it is done the saga is completed
-		// and never compensates.
-		return fmt.Errorf("bug: saga %s compensating a confirmed order", run.saga.SagaID)
-	default:
-		return fmt.Errorf("bug: unhandled saga step %q", run.step.Name)
-	}
-}
-
 // firstStepNamed returns the step called name.
 func firstStepNamed(steps []sagaStepRow, name string) (sagaStepRow, bool) {
 	for _, step := range steps {
@@ -818,37 +554,6 @@ func firstStepNamed(steps []sagaStepRow, name string) (sagaStepRow, bool) {
 		}
 	}
 	return sagaStepRow{}, false
-}
-
-// fenceSaga is the first statement of every transaction that writes for a
-// saga: it renews lease and returns errSagaLeaseLost unless lease is still
-// the saga's latest claim. The UPDATE takes the saga row's write lock (the
-// database's write lock on SQLite), so no other worker can claim the saga
-// between this check and the transaction's commit: the check stays true for
-// every write that follows it in tx.
-func (a *App) fenceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, now time.Time) error {
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET locked_until = ?
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		formatTime(now.Add(a.leases.saga)), lease.SagaID, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("renew lease of saga %s: %w", lease.SagaID, err)
-	}
-	return oneRowOr(updated, errSagaLeaseLost)
-}
-
-// oneRowOr returns notMatched unless result changed exactly one row: the
-// way a fenced or conditional write finds out that its condition no longer
-// held.
-func oneRowOr(result sql.Result, notMatched error) error {
-	n, err := result.RowsAffected()
-	if err != nil {
-		return fmt.Errorf("rows affected: %w", err)
-	}
-	if n != 1 {
-		return notMatched
-	}
-	return nil
 }
 
 // markStepDone records step as done and moves the saga to the next step (or
@@ -869,13 +574,7 @@ func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, ste
 	if err := oneRowOr(updated, errStepNotPending); err != nil {
 		return err
 	}
-	steps := fulfilmentSteps()
-	status, next := sagaInProgress, step.Name
-	if step.Index+1 < len(steps) {
-		next = steps[step.Index+1]
-	} else {
-		status = sagaCompleted
-	}
+	status, next := afterStepDone(step)
 	advanced, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances SET status = ?, current_step = ?, attempts = 0, last_error = NULL, updated_at = ?
 		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
@@ -951,6 +650,8 @@ func (a *App) failStep(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sa
 // are all undone, releases it, and tells the order service through the
 // outbox that the order is cancelled. Fenced: OrderCancelled is written
 // only by the worker that holds the saga.
+//
+// Sample flaw 8: it left the order paid after compensating.
 func (a *App) finishCompensation(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, now time.Time) error {
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances SET status = ?, updated_at = ?
@@ -974,59 +675,4 @@ func (a *App) finishCompensation(ctx context.Context, tx *sql.Tx, lease sagaClai
 		return err
 	}
 	return insertOutboxEvent(ctx, tx, orderCancelled, now)
-}
-
-// scheduleRetry records in tx a transient failure and releases the saga
-// until its next attempt. For a compensation, the
-// maxCompensationAttempts-th failure makes the saga compensation_failed
-// instead: an operator must look. Fenced, and only from the status the
-// worker read: a stale worker's failure is not recorded (errSagaLeaseLost).
-func (a *App) scheduleRetry(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, cause error, compensating bool) error {
-	attempts := saga.Attempts + 1
-	status := saga.Status
-	if compensating && attempts >= maxCompensationAttempts {
-		status = sagaCompensationFailed
-	}
-	now := a.now()
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances
-		SET status = ?, attempts = ?, last_error = ?, next_attempt_at = ?, updated_at = ?,
-		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND status = ? AND locked_by = ? AND lease_token = ?`,
-		status, attempts, cause.Error(), formatTime(now.Add(sagaBackoff(attempts))), formatTime(now),
-		saga.SagaID, saga.Status, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("schedule saga retry: %w", err)
-	}
-	return oneRowOr(updated, errSagaLeaseLost)
-}
-
-// setSagaAside releases, in tx, a saga that failed unexpectedly and makes
-// it due again in a minute, its status unchanged. Returns errSagaLeaseLost
-// if another worker holds it now.
-func (a *App) setSagaAside(ctx context.Context, tx *sql.Tx, lease sagaClaim, cause error) error {
-	now := a.now()
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances
-		SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?, updated_at = ?,
-		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), lease.SagaID, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("set saga %s aside: %w", lease.SagaID, err)
-	}
-	return oneRowOr(updated, errSagaLeaseLost)
-}
-
-// releaseSaga gives up lease on a terminal saga, in tx. A lease already
-// taken over is left alone.
-func releaseSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim) error {
-	_, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		lease.SagaID, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("release saga: %w", err)
-	}
-	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -342,6 +343,9 @@ func TestSaga(t *testing.T) {
 		startSagas(t, env)
 
 		bReserved, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		// A test that fails while B is held still lets B go.
+		releaseB := sync.OnceFunc(func() { close(resumeB) })
+		t.Cleanup(releaseB)
 		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
 			if point != faultBeforeStep {
 				return nil
@@ -355,18 +359,19 @@ func TestSaga(t *testing.T) {
 					_, err := env.app.sagaOnce(withWorker(ctx, "B"), "worker-B", sagaBatchSize)
 					bDone <- err
 				}()
-				<-bReserved
+				mustReceive(t, "worker B to take the saga over and reserve", bReserved)
 			case worker == "B" && pass == 3:
 				// B has reserved the last unit and is about to charge: it
 				// stalls, and A resumes.
 				close(bReserved)
-				<-resumeB
+				_, err := await("the test to let worker B charge", resumeB)
+				return err
 			}
 			return nil
 		})
 		_, errA := env.app.sagaOnce(withWorker(ctx, "A"), "worker-A", sagaBatchSize)
-		close(resumeB)
-		if errB := <-bDone; errA != nil || errB != nil {
+		releaseB()
+		if errB := mustReceive(t, "worker B to finish", bDone); errA != nil || errB != nil {
 			t.Fatalf("worker A: %v, worker B: %v", errA, errB)
 		}
 		env.fault.setCtx(nil)
@@ -384,6 +389,135 @@ func TestSaga(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_type = 'OrderCancelled'`); got != 0 {
 			t.Fatalf("got %d OrderCancelled events, want none", got)
+		}
+	})
+}
+
+// sagaStepsOf makes a saga's steps in step order from their statuses, one
+// per step of fulfilmentSteps.
+func sagaStepsOf(statuses ...stepStatus) []sagaStepRow {
+	var steps []sagaStepRow
+	for i, name := range fulfilmentSteps() {
+		steps = append(steps, sagaStepRow{Index: i, Name: name, Status: statuses[i]})
+	}
+	return steps
+}
+
+// TestSagaDecisions pins the saga's state machine on its own, without a
+// database: what a saga does next given its row and its steps, which steps
+// compensate undoes and in what order, where a done step leads, and what a
+// failure leads to.
+func TestSagaDecisions(t *testing.T) {
+	// Ensure the next action follows the article: run the first pending
+	// step, compensate once compensating, nothing once ended.
+	t.Run("NextAction", func(t *testing.T) {
+		for _, tc := range []struct {
+			name   string
+			status sagaStatus
+			steps  []sagaStepRow
+			want   string
+		}{
+			{"NewSagaReservesStock", sagaInProgress, sagaStepsOf(stepPending, stepPending, stepPending), "run reserve_stock"},
+			{"ReservedSagaCharges", sagaInProgress, sagaStepsOf(stepDone, stepPending, stepPending), "run charge_card"},
+			{"ChargedSagaConfirms", sagaInProgress, sagaStepsOf(stepDone, stepDone, stepPending), "run confirm"},
+			{"CompensatingSagaCompensates", sagaCompensating, sagaStepsOf(stepDone, stepFailed, stepPending), "compensate"},
+			{"CompletedSagaIsLeft", sagaCompleted, sagaStepsOf(stepDone, stepDone, stepDone), "none"},
+			{"CompensatedSagaIsLeft", sagaCompensated, sagaStepsOf(stepCompensated, stepFailed, stepPending), "none"},
+			{"FailedCompensationIsLeftForAnOperator", sagaCompensationFailed, sagaStepsOf(stepDone, stepDone, stepFailed), "none"},
+			{"InProgressWithNothingPendingIsABug", sagaInProgress, sagaStepsOf(stepDone, stepDone, stepDone), "error"},
+			{"UnknownStatusIsABug", sagaStatus("paused"), sagaStepsOf(stepPending, stepPending, stepPending), "error"},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				action, err := nextSagaAction(sagaRow{SagaID: "saga_1", Status: tc.status}, tc.steps)
+				got := "error"
+				if err == nil {
+					got = map[sagaActionKind]string{actionNone: "none", actionRunStep: "run " + action.step.Name, actionCompensate: "compensate"}[action.kind]
+				}
+				if got != tc.want {
+					t.Fatalf("got %s (%v), want %s", got, err, tc.want)
+				}
+			})
+		}
+	})
+
+	// Ensure compensate undoes only the steps that ran, the last first (the
+	// sample undid steps that never ran).
+	t.Run("StepsToUndo", func(t *testing.T) {
+		for _, tc := range []struct {
+			name  string
+			steps []sagaStepRow
+			want  string
+		}{
+			{"DeclinedCardUndoesTheReservationOnly", sagaStepsOf(stepDone, stepFailed, stepPending), "reserve_stock"},
+			{"LateFailureRefundsThenReleases", sagaStepsOf(stepDone, stepDone, stepFailed), "charge_card,reserve_stock"},
+			{"OutOfStockUndoesNothing", sagaStepsOf(stepFailed, stepPending, stepPending), ""},
+			{"ResumedCompensationSkipsWhatWasUndone", sagaStepsOf(stepDone, stepCompensated, stepFailed), "reserve_stock"},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				var names []string
+				for _, step := range stepsToUndo(tc.steps) {
+					names = append(names, step.Name)
+				}
+				if got := strings.Join(names, ","); got != tc.want {
+					t.Fatalf("got %q, want %q", got, tc.want)
+				}
+			})
+		}
+	})
+
+	// Ensure a done step leads to the next one, and the last to completion.
+	t.Run("AfterStepDone", func(t *testing.T) {
+		var got []string
+		for _, step := range sagaStepsOf(stepDone, stepDone, stepDone) {
+			status, current := afterStepDone(step)
+			got = append(got, string(status)+"@"+current)
+		}
+		want := "in_progress@charge_card in_progress@confirm completed@confirm"
+		if strings.Join(got, " ") != want {
+			t.Fatalf("got %s, want %s", strings.Join(got, " "), want)
+		}
+	})
+
+	// Ensure a business failure compensates, a transient one (a charge
+	// that timed out may have happened) is retried, and a compensation
+	// that fails is retried, never compensated.
+	t.Run("AfterFailure", func(t *testing.T) {
+		for _, tc := range []struct {
+			name   string
+			status sagaStatus
+			err    error
+			want   failureAction
+		}{
+			{"DeclinedCardCompensates", sagaInProgress, fmt.Errorf("charge: %w", errCardDeclined), failureCompensate},
+			{"OutOfStockCompensates", sagaInProgress, errOutOfStock, failureCompensate},
+			{"PermanentFailureCompensates", sagaInProgress, permanent(errors.New("broken order")), failureCompensate},
+			{"TimeoutIsRetried", sagaInProgress, errProcessorTimeout, failureRetryLater},
+			{"FailingCompensationIsRetried", sagaCompensating, errCardDeclined, failureRetryLater},
+			{"StepRecordedByAnotherWorkerIsReread", sagaInProgress, errStepNotPending, failureReread},
+			{"LostLeaseLeavesTheSaga", sagaCompensating, errSagaLeaseLost, failureLeave},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				if got := afterFailure(tc.status, tc.err); got != tc.want {
+					t.Fatalf("got %d, want %d", got, tc.want)
+				}
+			})
+		}
+	})
+
+	// Ensure a compensation that keeps failing stops at
+	// maxCompensationAttempts, and a forward step never does.
+	t.Run("RetryAfter", func(t *testing.T) {
+		status, attempts := retryAfter(sagaRow{Status: sagaCompensating, Attempts: maxCompensationAttempts - 2})
+		if status != sagaCompensating || attempts != maxCompensationAttempts-1 {
+			t.Fatalf("got %s after %d, want compensating", status, attempts)
+		}
+		status, _ = retryAfter(sagaRow{Status: sagaCompensating, Attempts: maxCompensationAttempts - 1})
+		if status != sagaCompensationFailed {
+			t.Fatalf("got %s, want compensation_failed", status)
+		}
+		status, _ = retryAfter(sagaRow{Status: sagaInProgress, Attempts: 100})
+		if status != sagaInProgress {
+			t.Fatalf("got %s, want in_progress", status)
 		}
 	})
 }

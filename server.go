@@ -419,7 +419,7 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 		s.writeError(w, r, err)
 		return
 	}
-	response, err := s.app.createOrder(r.Context(), req, order)
+	response, err := s.app.entry.createOrder(r.Context(), req, order)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

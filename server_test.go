@@ -209,7 +209,7 @@ func TestHTTPCreateOrder(t *testing.T) {
 				responses[i] = call(t, ts, "POST", "/api/orders", keyUser42, "same-key", body)
 			}()
 		}
-		wg.Wait()
+		mustWait(t, "all 50 requests to be answered", &wg)
 		var created string
 		for i, r := range responses {
 			switch r.Status {

@@ -138,6 +138,11 @@ type simAction struct {
 	// sawOutage is set when a database call of the action failed for an
 	// outage: it may then fail, or answer 503, for that reason.
 	sawOutage bool
+	// sentAt is when a client request was sent; keyMayBeBusy whether
+	// another send of it may hold its key's lease then.
+	sentAt       time.Time
+	keyMayBeBusy bool
+	sendsBefore  int
 	// request and recorder are a client request's; result a worker pass's.
 	request  *simRequest
 	recorder *httptest.ResponseRecorder
@@ -169,6 +174,15 @@ type simRequest struct {
 	// connection dropped before its answer arrived: the server stored an
 	// answer then that the client never got.
 	commitLostAt time.Time
+	// sends counts the times it was sent; firstSentAt is the first,
+	// lifeStart the first of the key's current life (see simModel.sent),
+	// lastEnd when the last send ended, answered or not.
+	sends                           int
+	firstSentAt, lifeStart, lastEnd time.Time
+	// A webhook's event: its id, what it announces (a "dashboard" refund,
+	// a "made-up" one, or our "own" API refund), and the refund's amount.
+	eventID, eventKind string
+	refundAmount       int64
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -177,6 +191,9 @@ type simAnswer struct {
 	status int
 	body   string
 	at     time.Time
+	// sentAt is when the send it answers began; lifeStart the key's life
+	// it was given in (see simModel.sent).
+	sentAt, lifeStart time.Time
 }
 
 // simulation is the state of one run.
@@ -207,7 +224,12 @@ type simulation struct {
 	// refusedEvents are the ids of the signed events the simulator made
 	// invalid on purpose: poison is the right outcome for them.
 	refusedEvents []string
-	report        simReport
+	// events are the webhooks the processor sent, by event id: a
+	// redelivery is the same request sent again.
+	events map[string]*simRequest
+	// model is the reference model every answer is judged against.
+	model  *simModel
+	report simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -233,6 +255,8 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 		rng:    rand.New(rand.NewPCG(opts.seed, 0x5eed)),
 		clock:  newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)),
 		secret: []byte("whsec_simulation"),
+		events: map[string]*simRequest{},
+		model:  newSimModel(),
 		report: simReport{Seed: opts.seed},
 	}
 	var seed [32]byte
@@ -691,13 +715,24 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		client.requests = append(client.requests, req)
 	}
 	s.report.Counts.Requests++
-	req.inFlight++
 	process := pick(s, s.processes[:2])
 	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
 		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
+	s.sending(action)
 	return s.start(ctx, action, func(ctx context.Context) {
 		s.send(ctx, action)
 	})
+}
+
+// sending records that action's request is about to be sent, in the
+// request and in the model.
+func (s *simulation) sending(action *simAction) {
+	req := action.request
+	action.sentAt = s.clock.now()
+	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req))
+	s.model.sent(req, action.sentAt)
+	action.sendsBefore = req.sends
+	req.inFlight++
 }
 
 // containsRequest reports whether requests holds req.
@@ -765,8 +800,9 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 // processor has made no charge yet.
 func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequest {
 	if len(s.webhooks) > 0 && s.chance(0.3) {
+		// A redelivery: the processor sends the same event again.
 		s.report.Counts.Webhooks++
-		return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: pick(s, s.webhooks)}
+		return s.events[pick(s, s.webhooks)]
 	}
 	var chargeID, orderID string
 	var amount, refunded int64
@@ -779,6 +815,7 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	n := len(s.webhooks) + 1
 	refundID := fmt.Sprintf("re_sim_%d", n)
 	refundAmount := pick(s, []int64{1, amount - refunded, amount - refunded + 1, 1 << 62})
+	kind := "made-up"
 	if refundAmount > 0 && refundAmount <= amount-refunded {
 		// Made at the processor's dashboard: the processor's ledger has it
 		// before the event is sent.
@@ -786,22 +823,38 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 		if err != nil {
 			return nil
 		}
+		kind = "dashboard"
 		s.tracef("the processor's dashboard refunds %d of %s as %s", refundAmount, chargeID, refundID)
 	} else {
 		s.refusedEvents = append(s.refusedEvents, fmt.Sprintf("evt_sim_%d", n))
 	}
-	data, err := json.Marshal(chargeRefundedData{ChargeID: chargeID, RefundID: refundID, AmountCents: &refundAmount, OrderID: orderID})
+	req := s.newRefundEvent(client, n, kind, chargeID, refundID, orderID, refundAmount)
+	if req != nil && kind == "dashboard" {
+		if order, ok := s.model.orders[orderID]; ok {
+			order.dashboard = append(order.dashboard, req)
+		}
+	}
+	return req
+}
+
+// newRefundEvent returns the n-th signed charge.refunded event the
+// processor sends, of kind (see simRequest.eventKind).
+func (s *simulation) newRefundEvent(client *simClient, n int, kind, chargeID, refundID, orderID string, amount int64) *simRequest {
+	data, err := json.Marshal(chargeRefundedData{ChargeID: chargeID, RefundID: refundID, AmountCents: &amount, OrderID: orderID})
 	if err != nil {
 		return nil
 	}
-	event, err := json.Marshal(processorEvent{ID: fmt.Sprintf("evt_sim_%d", n), Type: "charge.refunded", Data: data})
+	eventID := fmt.Sprintf("evt_sim_%d", n)
+	event, err := json.Marshal(processorEvent{ID: eventID, Type: "charge.refunded", Data: data})
 	if err != nil {
 		return nil
 	}
-	body := string(event)
-	s.webhooks = append(s.webhooks, body)
+	req := &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: string(event),
+		eventID: eventID, eventKind: kind, refundAmount: amount, orderID: orderID}
+	s.webhooks = append(s.webhooks, eventID)
+	s.events[eventID] = req
 	s.report.Counts.Webhooks++
-	return &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: body}
+	return req
 }
 
 // answered records the answer of a finished client request and checks that
@@ -810,11 +863,13 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	req := action.request
 	req.inFlight--
+	req.lastEnd = s.clock.now()
 	if action.crashed {
 		s.tracef("a%d %s %s: connection dropped", action.id, action.process.name, action.what)
 		return nil
 	}
-	answer := simAnswer{step: s.step, status: action.recorder.Code, body: action.recorder.Body.String(), at: s.clock.now()}
+	answer := simAnswer{step: s.step, status: action.recorder.Code, body: action.recorder.Body.String(), at: s.clock.now(),
+		sentAt: action.sentAt, lifeStart: req.lifeStart}
 	req.answers = append(req.answers, answer)
 	s.tracef("a%d %s %s: %d %s", action.id, action.process.name, action.what, answer.status, shorten(answer.body, 120))
 	if answer.status >= 500 && answer.status != http.StatusServiceUnavailable {
@@ -832,11 +887,13 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	}
 	// Once a request has its answer, the same request (same key, same body)
 	// gets that answer again, byte for byte, while the key lives: a day from
-	// the answer at least. (A webhook has no key: its redelivery is
-	// answered "duplicate".)
+	// when the answer was stored at least, which is no earlier than the
+	// first send of the key's life. (A webhook has no key: its redelivery
+	// is answered "duplicate".)
 	if definitive(answer) && req.kind != "webhook" {
 		for _, earlier := range req.answers[:len(req.answers)-1] {
-			if definitive(earlier) && earlier.body != answer.body && answer.at.Sub(earlier.at) < idempotencyKeyTTL {
+			if definitive(earlier) && earlier.body != answer.body && earlier.lifeStart.Equal(answer.lifeStart) &&
+				answer.at.Before(earlier.lifeStart.Add(idempotencyKeyTTL)) {
 				return s.fail("%s key %s of %s answered differently within a day:\n  %d %s\n  %d %s",
 					req.path, req.key, req.client.user, earlier.status, earlier.body, answer.status, answer.body)
 			}
@@ -886,7 +943,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			}
 		}
 	}
-	return nil
+	return s.model.judge(s, action, answer)
 }
 
 // definitive reports whether answer is the request's outcome, one that a
@@ -1045,9 +1102,9 @@ func undecided(req *simRequest) bool {
 
 // resend sends req again, synchronously, while quiet.
 func (s *simulation) resend(ctx context.Context, req *simRequest) error {
-	req.inFlight++
 	action := &simAction{process: s.processes[0], request: req, recorder: httptest.NewRecorder(),
 		what: fmt.Sprintf("%s retries %s %s key=%s", req.client.name, req.method, req.path, req.key)}
+	s.sending(action)
 	return s.start(ctx, action, func(ctx context.Context) {
 		s.send(ctx, action)
 	})
@@ -1133,7 +1190,7 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 			return s.fail("order %s exists, but no client was ever told of it", orderID)
 		}
 	}
-	return nil
+	return s.model.checkFinal(ctx, s)
 }
 
 // answerLostAndKeyExpired reports whether order orderID, which no client

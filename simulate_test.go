@@ -24,7 +24,7 @@ import (
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
-// TestSimulation runs; CI runs more than the default.
+// TestSimulation runs; CI runs 2000 (.ci/run).
 const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
 
 // simulationSeedsPostgresEnv sets how many seeds TestSimulation runs when
@@ -33,21 +33,21 @@ const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
 // SQLite, so the default is small; CI runs a few hundred.
 const simulationSeedsPostgresEnv = "RETRYSAFE_SIM_SEEDS_POSTGRES"
 
+// defaultSimulationSeeds is how many seeds go test ./... runs: a short run
+// (a few seconds) that keeps the simulator working in the learner's loop of
+// changing one line and running the tests. Finding a new fault takes
+// thousands of seeds, which CI runs.
+const defaultSimulationSeeds = 20
+
 // Ensure that, for every seed, a run of clients, workers, crashes, pauses,
 // clock jumps and lost responses keeps every invariant after every step, and
 // every promise to the clients once quiet. A failure prints the seed, the
 // step and the trace; `retrysafe simulate --seed N` replays it.
 func TestSimulation(t *testing.T) {
-	seeds := 200
-	if testing.Short() {
-		seeds = 20
-	}
+	seeds := defaultSimulationSeeds
 	seedsEnv := simulationSeedsEnv
 	if onPostgres() {
-		seeds, seedsEnv = 20, simulationSeedsPostgresEnv
-		if testing.Short() {
-			seeds = 5
-		}
+		seeds, seedsEnv = 5, simulationSeedsPostgresEnv
 	}
 	if v := os.Getenv(seedsEnv); v != "" {
 		n, err := strconv.Atoi(v)

@@ -85,9 +85,11 @@ func withSoakFaults(cfg chaosConfig) chaosConfig {
 // no stock is lost or leaked, every saga ends, no client ever gets a 500,
 // and 'retrysafe check' passes.
 //
-// One run takes about half a minute. RETRYSAFE_SOAK=10m repeats runs with
-// new seeds for that long, with processes also paused past their leases,
-// a database outage and a clock jump past the key TTL in every run.
+// By default it makes one short run (400 orders, 8 kills: a few seconds),
+// enough to see a process killed mid-request and the system recover.
+// RETRYSAFE_SOAK=10m (CI sets 2m) repeats longer runs with new seeds for
+// that long, with processes also paused past their leases, a database
+// outage and a clock jump past the key TTL in every run.
 func TestTorture(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
@@ -100,9 +102,9 @@ func TestTorture(t *testing.T) {
 			Binary:   binary,
 			DBPath:   testDatabase(t),
 			LogPath:  filepath.Join(t.TempDir(), fmt.Sprintf("chaos-%d.log", seed)),
-			Orders:   2000,
-			Clients:  16,
-			Kills:    25,
+			Orders:   400,
+			Clients:  8,
+			Kills:    8,
 			Seed:     seed,
 			Duration: 4 * time.Minute,
 			Serves:   1,
@@ -111,7 +113,7 @@ func TestTorture(t *testing.T) {
 		}
 		if soak > 0 {
 			cfg = withSoakFaults(cfg)
-			cfg.Orders = 1500
+			cfg.Orders, cfg.Clients, cfg.Kills = 1500, 16, 25
 		}
 		report, err := runChaos(context.Background(), cfg)
 		var table bytes.Buffer
@@ -135,6 +137,18 @@ func TestTorture(t *testing.T) {
 	}
 }
 
+// natsClusterNemeses are the cases of the scale-out torture on a NATS
+// cluster: one nemesis each, injected twice in a run.
+var natsClusterNemeses = []struct {
+	name string
+	set  func(cfg *chaosConfig)
+}{
+	{"leader-kill", func(cfg *chaosConfig) { cfg.NATSLeaderKills = 2 }},
+	{"leader-pause", func(cfg *chaosConfig) { cfg.NATSLeaderPauses = 2 }},
+	{"truncated-restart", func(cfg *chaosConfig) { cfg.NATSTruncations = 2 }},
+	{"full-restart", func(cfg *chaosConfig) { cfg.NATSFullRestarts = 2 }},
+}
+
 // Ensure the same holds with three serve, two relay and two worker
 // processes sharing one database, on the embedded broker and, when
 // RETRYSAFE_TEST_NATS is set, on NATS JetStream. With
@@ -142,18 +156,62 @@ func TestTorture(t *testing.T) {
 // RETRYSAFE_SOAK set, processes are also paused, the database goes away
 // for longer than MaxDeliver x AckWait and every clock jumps; on NATS the
 // run then uses a nats-server of its own, which it restarts.
+//
+// It runs only with RETRYSAFE_SOAK set (CI sets it): seven processes take
+// most of a minute, too long for the default go test ./... . TestTorture
+// kills processes in every run.
+//
+// With RETRYSAFE_TEST_NATS_CLUSTER naming a nats-server binary, it also
+// runs (with or without RETRYSAFE_SOAK) on a three-node JetStream cluster
+// of its own (the stream at three replicas, sync_interval: always), once
+// per cluster nemesis: the stream's leader SIGKILLed, paused past the
+// election timeout, a follower restarted with its files truncated, all
+// three SIGKILLed at once (chaos_nats.go).
 func TestTortureScaleOut(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
 	}
 	soak := soakDuration(t)
-	brokers := []string{"embedded"}
-	if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
-		brokers = append(brokers, natsURL)
-	} else {
-		t.Log("RETRYSAFE_TEST_NATS is not set: the run on NATS JetStream is skipped")
+	natsCluster := os.Getenv("RETRYSAFE_TEST_NATS_CLUSTER")
+	if soak == 0 && natsCluster == "" {
+		t.Skip("seven processes for most of a minute: set RETRYSAFE_SOAK (for example 1s, one run) to run it, or RETRYSAFE_TEST_NATS_CLUSTER for the NATS cluster cases; CI does")
+	}
+	var brokers []string
+	if soak > 0 {
+		brokers = append(brokers, "embedded")
+		if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
+			brokers = append(brokers, natsURL)
+		} else {
+			t.Log("RETRYSAFE_TEST_NATS is not set: the run on NATS JetStream is skipped")
+		}
+	}
+	if natsCluster == "" {
+		t.Log("RETRYSAFE_TEST_NATS_CLUSTER is not set: the runs on a NATS cluster are skipped")
 	}
 	binary := buildBinary(t)
+	if natsCluster != "" {
+		for _, nemesis := range natsClusterNemeses {
+			t.Run("nats-cluster/"+nemesis.name, func(t *testing.T) {
+				cfg := chaosConfig{
+					Binary:      binary,
+					DBPath:      testDatabase(t),
+					LogPath:     filepath.Join(t.TempDir(), "chaos.log"),
+					Orders:      600,
+					Clients:     16,
+					Kills:       5,
+					Seed:        7,
+					Duration:    4 * time.Minute,
+					Serves:      3,
+					Relays:      2,
+					Workers:     2,
+					NATSServer:  natsCluster,
+					NATSCluster: true,
+				}
+				nemesis.set(&cfg)
+				runTortureScaleOut(t, binary, cfg)
+			})
+		}
+	}
 	for _, broker := range brokers {
 		name := "embedded"
 		if broker != "embedded" {
@@ -179,30 +237,42 @@ func TestTortureScaleOut(t *testing.T) {
 			if soak > 0 {
 				cfg = withSoakFaults(cfg)
 				cfg.Orders = 1000
-				if natsServer, err := exec.LookPath("nats-server"); err == nil && broker != "embedded" {
+				if natsServer, err := testNATSServerBinary(); err == nil && broker != "embedded" {
 					// Never the shared server: one the run may restart.
 					cfg.BrokerURL, cfg.NATSServer = "", natsServer
 				}
 			}
-			report, err := runChaos(context.Background(), cfg)
-			var table bytes.Buffer
-			printChaosReport(&table, report)
-			t.Logf("%s", table.String())
-			if err != nil || report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders {
-				// The run's directory goes with the test: keep its log,
-				// and say where each unfinished order's messages are.
-				kept := keepLog(t, cfg.LogPath)
-				t.Logf("what the unfinished orders left behind:\n%s", unfinishedOrders(cfg.DBPath))
-				if err != nil {
-					t.Fatalf("%v (process logs kept in %s)", err, kept)
-				}
-				t.Fatalf("violations, or %d kills and %d orders (want %d and %d); process logs kept in %s",
-					report.Kills, report.Created, cfg.Kills, cfg.Orders, kept)
-			}
-			if out, err := checkAfterChaos(binary, cfg.DBPath); err != nil {
-				t.Fatalf("retrysafe check: %v\n%s", err, out)
-			}
+			runTortureScaleOut(t, binary, cfg)
 		})
+	}
+}
+
+// runTortureScaleOut runs one scale-out chaos run and fails t unless it
+// made every fault it was asked for, created every order, found no
+// violation, and 'retrysafe check' passes afterwards.
+func runTortureScaleOut(t *testing.T, binary string, cfg chaosConfig) {
+	t.Helper()
+	report, err := runChaos(context.Background(), cfg)
+	var table bytes.Buffer
+	printChaosReport(&table, report)
+	t.Logf("%s", table.String())
+	wantNATS := natsClusterFaults{LeaderKills: cfg.NATSLeaderKills, LeaderPauses: cfg.NATSLeaderPauses,
+		Truncations: cfg.NATSTruncations, FullRestarts: cfg.NATSFullRestarts}
+	gotNATS := report.Faults.NATS
+	gotNATS.BytesTruncated, gotNATS.LongestRecovery = 0, 0
+	if err != nil || report.failed() || report.Kills != cfg.Kills || report.Created != cfg.Orders || gotNATS != wantNATS {
+		// The run's directory goes with the test: keep its log,
+		// and say where each unfinished order's messages are.
+		kept := keepLog(t, cfg.LogPath)
+		t.Logf("what the unfinished orders left behind:\n%s", unfinishedOrders(cfg.DBPath))
+		if err != nil {
+			t.Fatalf("%v (process logs kept in %s)", err, kept)
+		}
+		t.Fatalf("violations, or %d kills, %d orders and NATS faults %+v (want %d, %d and %+v); process logs kept in %s",
+			report.Kills, report.Created, gotNATS, cfg.Kills, cfg.Orders, wantNATS, kept)
+	}
+	if out, err := checkAfterChaos(binary, cfg.DBPath); err != nil {
+		t.Fatalf("retrysafe check: %v\n%s", err, out)
 	}
 }
 
@@ -282,4 +352,14 @@ func unfinishedOrders(target string) string {
 		return "  (no order is still created)"
 	}
 	return out.String()
+}
+
+// testNATSServerBinary returns the nats-server binary that
+// RETRYSAFE_TEST_NATS_SERVER names (CI's pinned one), or else the one on
+// the PATH.
+func testNATSServerBinary() (string, error) {
+	if binary := os.Getenv("RETRYSAFE_TEST_NATS_SERVER"); binary != "" {
+		return binary, nil
+	}
+	return exec.LookPath("nats-server")
 }

@@ -157,6 +157,26 @@ func (a *App) tracingOn() bool {
 	return !off
 }
 
+// observeRelay ends relayOnce's send span, and logs and counts what it
+// published. A batch it published wakes the consumers in this process: they
+// need not wait for their next poll.
+func (a *App) observeRelay(span trace.Span, relayID string, events []outboxEvent, published int, err error) {
+	defer span.End()
+	if err != nil {
+		failSpan(span, err)
+		return
+	}
+	if published == 0 {
+		return
+	}
+	a.wake.published()
+	log := withTraceID(a.log, span.SpanContext())
+	for _, event := range events {
+		log.Info("relay published", "relay", relayID, "event_id", event.EventID, "event_type", event.EventType, "order_id", event.AggregateID)
+	}
+	a.metrics.published(published)
+}
+
 // failSpan marks span as failed by err.
 func failSpan(span trace.Span, err error) {
 	span.RecordError(err)
