@@ -319,35 +319,28 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	if err != nil || len(deliveries) == 0 {
 		return nil, err
 	}
-	receiveCtx := a.traceReceive(ctx, c, deliveries, fetched)
-	a.metrics.delivered(c.name, deliveries)
+	// The batch is traced, logged and counted at its ends: here, in
+	// receiveTraced, and once it committed (observeConsumed).
+	batch := a.observeFetch(ctx, c, deliveries, fetched)
 	var results []receiveResult
-	// processed are the span contexts of each delivery's "process" span, for
-	// the log's trace_id.
-	var processed []trace.SpanContext
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
-		results, processed = nil, make([]trace.SpanContext, len(deliveries))
+		results = make([]receiveResult, len(deliveries))
 		for i, d := range deliveries {
 			if d.Malformed != nil {
 				// The broker could not make a message of it (no id to
 				// deduplicate by): poison for this consumer, under the id
 				// the broker made up, so an operator sees it.
-				results = append(results, receiveResult{MessageID: d.ID, Outcome: inboxPoison, Err: d.Malformed})
+				results[i] = receiveResult{MessageID: d.ID, Outcome: inboxPoison, Err: d.Malformed}
 				if err := recordPoison(ctx, tx, c.name, d.ID, d.DeliveryCount, d.Malformed, a.now()); err != nil {
 					return err
 				}
 				continue
 			}
-			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
-			processed[i] = span.SpanContext()
-			result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
-				return c.apply(processCtx, tx, d.message)
-			})
-			endProcessSpan(span, result, err)
+			result, err := a.receiveTraced(batch, i, tx, c, d)
 			if err != nil {
 				return err
 			}
-			results = append(results, result)
+			results[i] = result
 		}
 		return nil
 	})
@@ -359,24 +352,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 		return nil, errors.Join(err, a.nakFailedBatch(ctx, deliveries))
 	}
-	if a.log.Enabled(ctx, slog.LevelInfo) {
-		for i, d := range deliveries {
-			withTraceID(a.log, processed[i]).Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
-				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
-		}
-	}
-	for _, result := range results {
-		a.metrics.inboxOutcome(c.name, result.Outcome)
-	}
-	a.observeFinalStates(ctx, c, deliveries, results)
-	for _, result := range results {
-		if result.Outcome == inboxApplied {
-			// What was applied may have started a saga (startFulfilment);
-			// now that it is committed, the saga loop can run it.
-			a.wake.saga.signal()
-			break
-		}
-	}
+	a.observeConsumed(ctx, c, deliveries, results, batch)
 	var handled []delivery
 	var errs []error
 	for i, d := range deliveries {
@@ -399,6 +375,59 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		errs = append(errs, err)
 	}
 	return results, errors.Join(errs...)
+}
+
+// consumedBatch is what consumeOnce's observation keeps of one batch: the
+// context of its "receive" span, and the span context of each delivery's
+// "process" span, for the log's trace_id.
+type consumedBatch struct {
+	receiveCtx context.Context
+	processed  []trace.SpanContext
+}
+
+// observeFetch records the "receive" span of a fetch by c that began at
+// fetched, and counts its deliveries.
+func (a *App) observeFetch(ctx context.Context, c consumer, deliveries []delivery, fetched time.Time) *consumedBatch {
+	a.metrics.delivered(c.name, deliveries)
+	return &consumedBatch{
+		receiveCtx: a.traceReceive(ctx, c, deliveries, fetched),
+		processed:  make([]trace.SpanContext, len(deliveries)),
+	}
+}
+
+// receiveTraced puts d, the i-th delivery of batch, through the inbox in tx
+// (a.entry.receiveIn: receiveIn unless demo --without replaced it), in a
+// "process" span of its own.
+func (a *App) receiveTraced(batch *consumedBatch, i int, tx *sql.Tx, c consumer, d delivery) (receiveResult, error) {
+	processCtx, span := a.startProcessSpan(batch.receiveCtx, c, d)
+	batch.processed[i] = span.SpanContext()
+	result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+		return c.apply(processCtx, tx, d.message)
+	})
+	endProcessSpan(span, result, err)
+	return result, err
+}
+
+// observeConsumed logs and counts what a committed batch did, and wakes
+// the saga loop if a message was applied: it may have started a saga
+// (startFulfilment), which it can run now that it is committed.
+func (a *App) observeConsumed(ctx context.Context, c consumer, deliveries []delivery, results []receiveResult, batch *consumedBatch) {
+	if a.log.Enabled(ctx, slog.LevelInfo) {
+		for i, d := range deliveries {
+			withTraceID(a.log, batch.processed[i]).Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
+				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
+		}
+	}
+	for _, result := range results {
+		a.metrics.inboxOutcome(c.name, result.Outcome)
+	}
+	a.observeFinalStates(ctx, c, deliveries, results)
+	for _, result := range results {
+		if result.Outcome == inboxApplied {
+			a.wake.saga.signal()
+			break
+		}
+	}
 }
 
 // payloadOrderID returns the order_id an event's payload names, for the

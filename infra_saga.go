@@ -52,7 +52,7 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 				  AND next_attempt_at <= ?
 				  AND (locked_until IS NULL OR locked_until <= ?)
 				ORDER BY next_attempt_at
-				LIMIT ? `+dialectOf(a.db).skipLocked+`)
+				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING saga_id, lease_token`,
 			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
 		if err != nil {
