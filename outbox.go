@@ -220,6 +220,8 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (pub
 	defer func() { a.observeRelay(span, relayID, events, published, err) }()
 	msgs := make([]message, len(events))
 	for i, event := range events {
+		// Sample flaw 10: the message id is the event id, which the
+		// broker and every inbox deduplicate by.
 		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
 	}
 	// One batch: a broker round trip per batch, not per event.
