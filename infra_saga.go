@@ -1,11 +1,12 @@
 // The saga engine: how the decisions and steps of saga.go are applied to
 // many sagas at once, by several workers, safely. A first reading can skip
-// it. It claims due sagas under a lease (sagaOnce), fences every write with
-// the lease's token (fenceSaga, rule 13 of a lease that is not a lock), and
-// advances the claimed sagas together in rounds: a round makes the round's
-// card charges outside any transaction, then runs every saga's step in one
-// transaction with a savepoint per saga, so a round costs one commit, not
-// one per saga. A compensating saga runs compensate on its own.
+// it. It claims due sagas under a lease (sagaOnce) and fences every write
+// with the lease's token (fenceSaga: a lease is not a lock, and a worker
+// paused past it must not write). It advances the claimed sagas together,
+// in rounds: a round makes its card charges outside any transaction, then
+// runs every saga's step in one transaction with a savepoint per saga, so
+// a round costs one commit, not one per saga. A compensating saga, the rare
+// path, runs compensate on its own: one transaction per undone step.
 
 package main
 
