@@ -80,6 +80,10 @@ type chaosConfig struct {
 	// the cluster's faults is injected (chaos_nats.go).
 	NATSCluster                                                          bool
 	NATSLeaderKills, NATSLeaderPauses, NATSTruncations, NATSFullRestarts int
+	// Repairs is how many set-aside windows the run opens, each followed
+	// by an operator running every repair on what it set aside, with the
+	// repair processes SIGKILLed and paused (chaos_repairs.go).
+	Repairs int
 	// Progress receives a progress line, or is nil.
 	Progress io.Writer
 }
@@ -98,6 +102,7 @@ type chaosReport struct {
 	Elapsed                         time.Duration
 	Invariants                      int
 	Faults                          chaosFaultCounts
+	Repairs                         chaosRepairCounts
 	// UnavailableDuringOutages and UnavailableOutside split the 503
 	// answers; UnavailableWhen lists when the first of the others came.
 	UnavailableDuringOutages, UnavailableOutside int
@@ -159,12 +164,17 @@ type chaosProcess struct {
 	mu   sync.Mutex
 	cmd  *exec.Cmd
 	done chan struct{}
+	// benched is set while a set-aside window keeps the process stopped.
+	benched bool
 }
 
 // start starts the process. It returns once the process runs.
 func (p *chaosProcess) start(binary string) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.benched {
+		return nil
+	}
 	cmd := exec.Command(binary, p.args...)
 	cmd.Env = append(os.Environ(), p.env...)
 	cmd.Stdout = p.log
@@ -375,8 +385,20 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 			return report, err
 		}
 	}
+	// Set-aside windows replace the relays and workers (all but the
+	// serves) by processes that fail where a broken dependency would. The
+	// relay publishes to the embedded broker, whose publish the fault
+	// reaches, even on NATS: a relay cut off from its broker.
+	// Windows alternate: the relays' (failed events), then the workers'
+	// (poison messages, refunds the completer gives up on, compensations
+	// that fail), so that each has work: a broken relay publishes nothing
+	// for a broken worker to fail on.
+	relays, workers := processes[cfg.Serves:cfg.Serves+cfg.Relays], processes[cfg.Serves+cfg.Relays:]
+	setAsideRelay := &chaosProcess{name: "set-aside-relay", log: log, args: []string{"relay", "--set-aside", "--db", processDB,
+		"--lease-scale=" + strconv.FormatFloat(chaosLeaseScale, 'f', -1, 64), "--clock-file", clock.path}}
+	setAsideWorker := &chaosProcess{name: "set-aside-worker", log: log, args: append([]string{"worker", "--set-aside"}, common...)}
 	defer func() {
-		for _, p := range processes {
+		for _, p := range append(processes, setAsideRelay, setAsideWorker) {
 			p.stop()
 		}
 	}()
@@ -466,6 +488,48 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 			}
 		}()
 	}
+	operator := &chaosOperator{
+		binary: cfg.Binary,
+		args:   []string{"--db", processDB, "--clock-file", clock.path},
+		log:    log,
+		leases: leases,
+		rng:    rand.New(rand.NewPCG(cfg.Seed, 0x4e9a1)),
+		counts: &report.Repairs,
+		violation: func(format string, args ...any) {
+			run.violation("repair: "+format, args...)
+		},
+	}
+	if brokerURL != "" {
+		operator.broker = []string{"--broker", brokerURL, "--nats-stream", stream}
+	}
+	// The windows open while the load runs; the operator repairs behind
+	// them, at its own pace (a paused repair takes seconds).
+	windows, repairRounds := make(chan int, cfg.Repairs), make(chan struct{}, cfg.Repairs)
+	nemeses.Add(2)
+	go func() {
+		defer nemeses.Done()
+		defer close(repairRounds)
+		for window := range windows {
+			benched, setAside, killed := relays, setAsideRelay, []*chaosProcess(nil)
+			if window%2 == 1 {
+				benched, setAside, killed = workers, setAsideWorker, processes[:cfg.Serves]
+			}
+			if err := runSetAsideWindow(ctx, cfg.Binary, clock, benched, setAside, killed); err != nil {
+				run.violation("set-aside window: %v", err)
+				return
+			}
+			repairRounds <- struct{}{}
+		}
+	}()
+	go func() {
+		defer nemeses.Done()
+		for range repairRounds {
+			report.Repairs.Windows++
+			if _, err := operator.round(ctx, dashboard, clock.now(), true); err != nil {
+				run.violation("repair round: %v", err)
+			}
+		}
+	}()
 	report.Faults.OutageLength = outageLength(leases)
 	outages := make(chan struct{}, cfg.Outages)
 	nemeses.Add(1)
@@ -507,8 +571,12 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	// outage starts, or every clock jumps and some clients come back with
 	// the keys that just expired.
 	reuseRNG := rand.New(rand.NewPCG(cfg.Seed, 0x7e7e))
-	outagesStarted, jumpsMade := 0, 0
+	outagesStarted, jumpsMade, windowsOpened := 0, 0, 0
 	for i, order := range orders {
+		if windowsOpened < cfg.Repairs && i >= (windowsOpened+1)*cfg.Orders/(cfg.Repairs+1) {
+			windows <- windowsOpened
+			windowsOpened++
+		}
 		if outagesStarted < cfg.Outages && i >= (2*outagesStarted+1)*cfg.Orders/(2*cfg.Outages+1) {
 			outages <- struct{}{}
 			outagesStarted++
@@ -535,6 +603,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	}
 	close(queue)
 	close(outages)
+	close(windows)
 	clients.Wait()
 	nemeses.Wait()
 	close(loadDone)
@@ -548,7 +617,12 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	runErr := ctx.Err()
 	if runErr != nil {
 		runErr = fmt.Errorf("the load did not finish within %s", cfg.Duration)
-	} else {
+	}
+	if runErr == nil && cfg.Repairs > 0 {
+		// What the windows set aside, repaired until nothing is.
+		runErr = operator.finishRepairs(ctx, dashboard, clock.now)
+	}
+	if runErr == nil {
 		// Every lease and backoff of a settling system is seconds long; one
 		// that is not quiet after this is stuck, and waiting longer hides it.
 		quietCtx, cancelQuiet := context.WithTimeout(ctx, chaosGiveUp)
@@ -746,6 +820,15 @@ func auditChaos(ctx context.Context, path string, now time.Time, orders []*chaos
 		return err
 	}
 	report.ClientViolations = append(report.ClientViolations, found...)
+	if report.Repairs.Runs > 0 {
+		found, err := auditRepairs(ctx, db, &report.Repairs)
+		if err != nil {
+			return err
+		}
+		for _, detail := range found {
+			report.Violations = append(report.Violations, violation{Invariant: "a repair's effect holds", Detail: detail})
+		}
+	}
 	return db.QueryRowContext(ctx, `
 		SELECT (SELECT COALESCE(SUM(delivery_count - 1), 0) FROM broker_deliveries),
 		       (SELECT COALESCE(SUM(duplicates), 0) FROM broker_messages),
@@ -826,6 +909,14 @@ func printChaosReport(w io.Writer, r chaosReport) {
 		row("  all three SIGKILLed and restarted at once", n.FullRestarts)
 		row("  longest wait for every replica current", n.LongestRecovery.Round(100*time.Millisecond))
 	}
+	if r.Repairs.Runs > 0 {
+		rp := r.Repairs
+		row("set-aside windows", rp.Windows)
+		row("set aside (events / poison / sagas / refunds)", fmt.Sprintf("%d / %d / %d / %d", rp.FailedEvents, rp.PoisonMessages, rp.ParkedSagas, rp.UnfinishedRefunds))
+		row("repair processes (SIGKILLed / paused)", fmt.Sprintf("%d (%d / %d)", rp.Runs, rp.Killed, rp.Paused))
+		row("repairs logged (retry / replay / resume / finish)", fmt.Sprintf("%d / %d / %d / %d", rp.Logged[repairOutboxRetry], rp.Logged[repairInboxReplay],
+			rp.Logged[repairSagaResume], rp.Logged[repairRefundFinish]))
+	}
 	fmt.Fprintln(w, "what the clients sent")
 	row("refunds (200 / refused)", fmt.Sprintf("%d (%d / %d)", r.RefundRequests, r.RefundOK, r.RefundRefused))
 	row("webhooks (applied / duplicate / poison / 4xx)", fmt.Sprintf("%d (%d / %d / %d / %d)", r.WebhooksSent, r.WebhookApplied, r.WebhookDuplicate, r.WebhookPoison, r.WebhookRejected))
@@ -885,9 +976,9 @@ func newChaosCommand() *cobra.Command {
 			if cfg.Orders <= 0 || cfg.Clients <= 0 || cfg.Duration <= 0 || cfg.Serves <= 0 || cfg.Relays <= 0 || cfg.Workers <= 0 {
 				return errors.New("--orders, --clients, --duration, --serves, --relays and --workers must be positive")
 			}
-			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 ||
+			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 || cfg.Repairs < 0 ||
 				cfg.NATSLeaderKills < 0 || cfg.NATSLeaderPauses < 0 || cfg.NATSTruncations < 0 || cfg.NATSFullRestarts < 0 {
-				return errors.New("--kills, --pauses, --outages, --clock-jumps and the --nats-* fault counts must not be negative")
+				return errors.New("--kills, --pauses, --outages, --clock-jumps, --repairs and the --nats-* fault counts must not be negative")
 			}
 			binary, err := os.Executable()
 			if err != nil {
@@ -925,8 +1016,8 @@ func newChaosCommand() *cobra.Command {
 			case cfg.BrokerURL != "":
 				broker = cfg.BrokerURL
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients to %d serve, %d relay and %d worker processes on %s; %d kills, %d pauses, %d outages, %d clock jumps, seed %d, database %s, process log %s\n",
-				cfg.Orders, cfg.Clients, cfg.Serves, cfg.Relays, cfg.Workers, broker, cfg.Kills, cfg.Pauses, cfg.Outages, cfg.ClockJumps, cfg.Seed, redactURL(cfg.DBPath), cfg.LogPath)
+			fmt.Fprintf(cmd.OutOrStdout(), "chaos: %d orders from %d clients to %d serve, %d relay and %d worker processes on %s; %d kills, %d pauses, %d outages, %d clock jumps, %d repair windows, seed %d, database %s, process log %s\n",
+				cfg.Orders, cfg.Clients, cfg.Serves, cfg.Relays, cfg.Workers, broker, cfg.Kills, cfg.Pauses, cfg.Outages, cfg.ClockJumps, cfg.Repairs, cfg.Seed, redactURL(cfg.DBPath), cfg.LogPath)
 			report, err := runChaos(cmd.Context(), cfg)
 			printChaosReport(cmd.OutOrStdout(), report)
 			if err != nil {
@@ -960,5 +1051,6 @@ func newChaosCommand() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.Outages, "outages", 0, "database outages longer than MaxDeliver x AckWait (SQLite: a held write lock; PostgreSQL: the run's backends terminated)")
 	cmd.Flags().IntVar(&cfg.ClockJumps, "clock-jumps", 0, "times every process's clock jumps past the idempotency key TTL; clients then reuse expired keys")
 	cmd.Flags().DurationVar(&cfg.ClockSkew, "clock-skew", 0, "run the first worker's clock this far ahead of the others")
+	cmd.Flags().IntVar(&cfg.Repairs, "repairs", 0, "set-aside windows (relays and workers replaced by ones whose dependencies fail), each followed by every repair run as a process that is SIGKILLed or paused mid-repair")
 	return cmd
 }

@@ -511,6 +511,10 @@ type consolePage struct {
 	OrderError string
 	Timeline   string
 	Mermaid    string
+	// Drawing is the timeline as trace --svg draws it, shown inline.
+	// printSVG escapes every text it takes from the tables, so the
+	// template may insert it as it is.
+	Drawing template.HTML
 }
 
 // consolePoison is a poison message as the console lists it: with a
@@ -579,7 +583,7 @@ func (s *server) handleConsole(w http.ResponseWriter, r *http.Request) {
 	page.Order = strings.TrimSpace(r.URL.Query().Get("order"))
 	if page.Order != "" {
 		var err error
-		page.Timeline, page.Mermaid, err = consoleTimeline(ctx, s.app.readDB, page.Order)
+		page.Timeline, page.Mermaid, page.Drawing, err = consoleTimeline(ctx, s.app.readDB, page.Order)
 		switch {
 		case errors.Is(err, errNoSuchOrder):
 			status = http.StatusNotFound
@@ -594,21 +598,27 @@ func (s *server) handleConsole(w http.ResponseWriter, r *http.Request) {
 }
 
 // consoleTimeline returns the order's timeline as `retrysafe trace` prints
-// it, as text and as Mermaid source. Returns errNoSuchOrder for an order
-// that does not exist.
-func consoleTimeline(ctx context.Context, db *sql.DB, orderID string) (string, string, error) {
+// it: as text, as Mermaid source, and drawn as an SVG (which the page shows
+// inline: no script renders it, so the console's Content-Security-Policy
+// needs nothing more). Returns errNoSuchOrder for an order that does not
+// exist.
+func consoleTimeline(ctx context.Context, db *sql.DB, orderID string) (string, string, template.HTML, error) {
 	t, err := traceOrder(ctx, db, orderID)
 	if err != nil {
-		return "", "", err
+		return "", "", "", err
 	}
-	var text, mermaid bytes.Buffer
+	var text, mermaid, drawing bytes.Buffer
 	if err := printTrace(&text, t); err != nil {
-		return "", "", err
+		return "", "", "", err
 	}
 	if err := printMermaid(&mermaid, t); err != nil {
-		return "", "", err
+		return "", "", "", err
 	}
-	return text.String(), mermaid.String(), nil
+	if err := printSVG(&drawing, t); err != nil {
+		return "", "", "", err
+	}
+	// printSVG escapes every text from the tables (TestTraceSVG).
+	return text.String(), mermaid.String(), template.HTML(drawing.String()), nil
 }
 
 // readConsole fills page with what needs an operator, read from the

@@ -98,7 +98,8 @@ func browserLogin(tb testing.TB, ctx context.Context, ts *httptest.Server, opera
 func TestConsoleInBrowser(t *testing.T) {
 	// Ensure an operator in a real browser logs in, sees the failed event,
 	// presses "retry", and after a relay pass sees the event published in
-	// the order's timeline, as the database has it.
+	// the order's timeline, as the database has it, and the order's
+	// journey drawn.
 	t.Run("RetriesAFailedEvent", func(t *testing.T) {
 		ctx := newBrowser(t, 90*time.Second)
 		env := MustOpenApp(t)
@@ -146,6 +147,24 @@ func TestConsoleInBrowser(t *testing.T) {
 		)
 		if err != nil {
 			t.Fatalf("look the order up: %v", err)
+		}
+		// The journey is drawn: an SVG with one arrow a row of the
+		// timeline, laid out (it has a size), with nothing to run.
+		drawn, err := chromedp.Run(ctx, chromedp.Evaluate[[3]int](`(() => {
+			const svg = document.querySelector('#journey svg');
+			if (!svg) return [0, 0, 0];
+			const box = svg.getBoundingClientRect();
+			return [svg.querySelectorAll('[marker-end]').length, Math.round(box.width), Math.round(box.height)];
+		})()`))
+		if err != nil {
+			t.Fatalf("read the drawing: %v", err)
+		}
+		tr, err := traceOrder(context.Background(), env.app.db, orderID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if drawn[0] != len(tr.rows) || drawn[1] == 0 || drawn[2] == 0 {
+			t.Fatalf("the drawing shows %d arrows in %dx%d; want %d arrows, laid out", drawn[0], drawn[1], drawn[2], len(tr.rows))
 		}
 		timeline := browserText(t, ctx, chromedp.CSS(`#timeline`))
 		seq := env.count(t, `SELECT seq FROM outbox_events WHERE event_id = ?`, eventID)

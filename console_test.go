@@ -815,8 +815,8 @@ func TestConsole(t *testing.T) {
 	})
 
 	// Ensure the order form shows the order's timeline as trace prints it,
-	// text and Mermaid source, escaped; an unknown order is a 404 page
-	// saying so.
+	// drawn (the SVG inline, as trace --svg draws it), as text and as
+	// Mermaid source, escaped; an unknown order is a 404 page saying so.
 	t.Run("ShowsAnOrdersTimeline", func(t *testing.T) {
 		env := MustOpenApp(t)
 		c := newConsoleClient(newAdminTestServer(t, env, testAdminKey))
@@ -841,6 +841,13 @@ func TestConsole(t *testing.T) {
 		}
 		if !strings.Contains(page, `<pre class="mermaid" id="mermaid">`+escape(mermaid.String())+`</pre>`) || !strings.Contains(mermaid.String(), "sequenceDiagram") {
 			t.Fatalf("page does not hold the Mermaid source\n%s", mermaid.String())
+		}
+		var drawing bytes.Buffer
+		if err := printSVG(&drawing, tr); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(page, `<figure id="journey">`+drawing.String()+`</figure>`) {
+			t.Fatalf("page does not show the drawing inline\n%s\npage:\n%s", drawing.String(), page)
 		}
 		if strings.Contains(page, "<script") {
 			t.Fatal("the page loads a script")

@@ -86,3 +86,51 @@ func TestDocsLinks(t *testing.T) {
 		}
 	}
 }
+
+// glossaryCode matches one file of a glossary entry's code column and the
+// names after it: [`saga.go`](../saga.go): `fenceSaga`, `oneRowOr`.
+var glossaryCode = regexp.MustCompile("\\[`([a-z_]+\\.go)`\\]\\(\\.\\./[a-z_]+\\.go\\)((?:[:,] `[^`]+`)+)")
+
+// namedIn matches "`NAME` in `FILE.go`" on the first page.
+var namedIn = regexp.MustCompile("`([A-Za-z_.()*]+)` in `([a-z_]+\\.go)`")
+
+// declarationName turns a name as the docs write it, "(*App).relayOnce",
+// into the one declarationSource takes, "App.relayOnce".
+func declarationName(name string) string {
+	name = strings.TrimPrefix(name, "(*")
+	name = strings.TrimPrefix(name, "(")
+	return strings.Replace(name, ")", "", 1)
+}
+
+// Ensure each function, type or constant the glossary and the first page's
+// table of names point to is declared in the file they name: a rename
+// would otherwise leave a reader looking for a function that is gone.
+func TestDocsNameRealDeclarations(t *testing.T) {
+	glossary, err := os.ReadFile("docs/glossary.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := 0
+	for _, m := range glossaryCode.FindAllStringSubmatch(string(glossary), -1) {
+		for _, name := range regexp.MustCompile("`([^`]+)`").FindAllStringSubmatch(m[2], -1) {
+			checked++
+			if _, err := declarationSource(m[1], declarationName(name[1])); err != nil {
+				t.Errorf("docs/glossary.md: %v", err)
+			}
+		}
+	}
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range namedIn.FindAllStringSubmatch(string(readme), -1) {
+		checked++
+		if _, err := declarationSource(m[2], declarationName(m[1])); err != nil {
+			t.Errorf("README.md: %v", err)
+		}
+	}
+	t.Logf("checked %d names", checked)
+	if checked < 30 {
+		t.Fatalf("checked %d names; the patterns no longer match the pages", checked)
+	}
+}

@@ -25,6 +25,11 @@ const (
 	// faultAfterPublish: the broker has the event, the outbox still says
 	// pending.
 	faultAfterPublish faultPoint = "outbox.after_publish"
+	// faultConsumerApply: the consumer's own code is about to apply a
+	// message, inside the inbox's transaction; an error here is its code
+	// failing (a bug, a dependency down), counted until the message is
+	// poison.
+	faultConsumerApply faultPoint = "inbox.apply"
 	// faultAfterEffect: the consumer's effect and inbox row are committed, the
 	// broker has not seen the ack.
 	faultAfterEffect faultPoint = "inbox.after_effect"
@@ -61,6 +66,7 @@ func allFaultPoints() []faultPoint {
 		faultAfterBusinessWrite,
 		faultPublish,
 		faultAfterPublish,
+		faultConsumerApply,
 		faultAfterEffect,
 		faultBeforeStep,
 		faultAfterStepEffect,
@@ -81,7 +87,7 @@ func allFaultPoints() []faultPoint {
 // for ever. A crash there rolls the transaction back.
 func (point faultPoint) insideTransaction() bool {
 	switch point {
-	case faultAfterKeyClaim, faultAfterBusinessWrite, faultAfterStepEffect:
+	case faultAfterKeyClaim, faultAfterBusinessWrite, faultConsumerApply, faultAfterStepEffect:
 		return true
 	default:
 		return false

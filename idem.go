@@ -335,8 +335,7 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 // errKeyInProgress if another request holds it. order must be valid (see
 // decodeOrderRequest); nothing here rejects input.
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
-	// A retry of a settled request is answered from a read connection,
-	// without waiting for the write lock; anything else is decided below.
+	// A retry of a settled request is answered without the write lock.
 	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
 	if !errors.Is(err, errKeyNotSettled) {
 		return response, err
@@ -363,9 +362,8 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		case !errors.Is(err, errKeyNotFound):
 			return err
 		}
-		// New key, and ours: no other writer can claim it until this
-		// transaction ends (BEGIN IMMEDIATE holds the write lock; on
-		// PostgreSQL, keyTx locks the key).
+		// New key, ours until this transaction ends (BEGIN IMMEDIATE holds
+		// the write lock; on PostgreSQL, keyTx locks the key).
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err
 		}
@@ -388,14 +386,12 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		if err != nil {
 			return err
 		}
-		// The key replays for idempotencyKeyTTL from the answer, not from
-		// the claim (a transaction stalled past the TTL must still replay):
-		// so the clock is read again.
+		// The key replays for idempotencyKeyTTL from the answer, not the
+		// claim (a stalled transaction must still replay): read the clock.
 		return insertCompletedKey(ctx, tx, req, response, a.now())
 	})
 	if err != nil {
-		// Sample flaw 5: nothing was stored; the key stays free for the
-		// retry.
+		// Sample flaw 5: nothing is stored; the key stays free to retry.
 		return apiResponse{}, err
 	}
 	return response, nil

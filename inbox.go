@@ -20,10 +20,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"time"
-
-	"go.opentelemetry.io/otel/trace"
 )
 
 // inboxOutcome says what happened to one delivery.
@@ -319,35 +316,28 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	if err != nil || len(deliveries) == 0 {
 		return nil, err
 	}
-	receiveCtx := a.traceReceive(ctx, c, deliveries, fetched)
-	a.metrics.delivered(c.name, deliveries)
+	// The batch is traced, logged and counted at its ends: here, in
+	// receiveTraced, and once it committed (observeConsumed).
+	batch := a.observeFetch(ctx, c, deliveries, fetched)
 	var results []receiveResult
-	// processed are the span contexts of each delivery's "process" span, for
-	// the log's trace_id.
-	var processed []trace.SpanContext
 	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
-		results, processed = nil, make([]trace.SpanContext, len(deliveries))
+		results = make([]receiveResult, len(deliveries))
 		for i, d := range deliveries {
 			if d.Malformed != nil {
 				// The broker could not make a message of it (no id to
 				// deduplicate by): poison for this consumer, under the id
 				// the broker made up, so an operator sees it.
-				results = append(results, receiveResult{MessageID: d.ID, Outcome: inboxPoison, Err: d.Malformed})
+				results[i] = receiveResult{MessageID: d.ID, Outcome: inboxPoison, Err: d.Malformed}
 				if err := recordPoison(ctx, tx, c.name, d.ID, d.DeliveryCount, d.Malformed, a.now()); err != nil {
 					return err
 				}
 				continue
 			}
-			processCtx, span := a.startProcessSpan(receiveCtx, c, d)
-			processed[i] = span.SpanContext()
-			result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
-				return c.apply(processCtx, tx, d.message)
-			})
-			endProcessSpan(span, result, err)
+			result, err := a.receiveTraced(batch, i, tx, c, d)
 			if err != nil {
 				return err
 			}
-			results = append(results, result)
+			results[i] = result
 		}
 		return nil
 	})
@@ -359,24 +349,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 		}
 		return nil, errors.Join(err, a.nakFailedBatch(ctx, deliveries))
 	}
-	if a.log.Enabled(ctx, slog.LevelInfo) {
-		for i, d := range deliveries {
-			withTraceID(a.log, processed[i]).Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
-				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
-		}
-	}
-	for _, result := range results {
-		a.metrics.inboxOutcome(c.name, result.Outcome)
-	}
-	a.observeFinalStates(ctx, c, deliveries, results)
-	for _, result := range results {
-		if result.Outcome == inboxApplied {
-			// What was applied may have started a saga (startFulfilment);
-			// now that it is committed, the saga loop can run it.
-			a.wake.saga.signal()
-			break
-		}
-	}
+	a.observeConsumed(ctx, c, deliveries, results, batch)
 	var handled []delivery
 	var errs []error
 	for i, d := range deliveries {

@@ -9,6 +9,7 @@ import (
 	"database/sql"
 	_ "embed"
 	"fmt"
+	"strings"
 )
 
 //go:embed schema_postgres.sql
@@ -183,4 +184,23 @@ func dialectOf(db *sql.DB) *dialect {
 		return postgresDialect()
 	}
 	return sqliteDialect()
+}
+
+// skipLocked returns the clause that ends the SELECT of a claim on db (see
+// dialect.skipLocked): nothing on SQLite, FOR UPDATE SKIP LOCKED on
+// PostgreSQL.
+func skipLocked(db *sql.DB) string {
+	return dialectOf(db).skipLocked
+}
+
+// integerPairs returns "(VALUES (?, ?), ...)" with n pairs of integer
+// parameters, for a "(a, b) IN" test. Each parameter is cast to BIGINT
+// because PostgreSQL cannot infer the types of parameters inside VALUES;
+// SQLite ignores the cast.
+func integerPairs(n int) string {
+	pairs := make([]string, n)
+	for i := range pairs {
+		pairs[i] = "(CAST(? AS BIGINT), CAST(? AS BIGINT))"
+	}
+	return "(VALUES " + strings.Join(pairs, ", ") + ")"
 }

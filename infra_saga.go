@@ -1,11 +1,12 @@
 // The saga engine: how the decisions and steps of saga.go are applied to
 // many sagas at once, by several workers, safely. A first reading can skip
-// it. It claims due sagas under a lease (sagaOnce), fences every write with
-// the lease's token (fenceSaga, rule 13 of a lease that is not a lock), and
-// advances the claimed sagas together in rounds: a round makes the round's
-// card charges outside any transaction, then runs every saga's step in one
-// transaction with a savepoint per saga, so a round costs one commit, not
-// one per saga. A compensating saga runs compensate on its own.
+// it. It claims due sagas under a lease (sagaOnce) and fences every write
+// with the lease's token (fenceSaga: a lease is not a lock, and a worker
+// paused past it must not write). It advances the claimed sagas together,
+// in rounds: a round makes its card charges outside any transaction, then
+// runs every saga's step in one transaction with a savepoint per saga, so
+// a round costs one commit, not one per saga. A compensating saga, the rare
+// path, runs compensate on its own: one transaction per undone step.
 
 package main
 
@@ -52,7 +53,7 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 				  AND next_attempt_at <= ?
 				  AND (locked_until IS NULL OR locked_until <= ?)
 				ORDER BY next_attempt_at
-				LIMIT ? `+dialectOf(a.db).skipLocked+`)
+				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING saga_id, lease_token`,
 			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
 		if err != nil {

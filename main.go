@@ -100,7 +100,7 @@ func newRootCommand() *cobra.Command {
 // openExistingApp opens an App over a database that must already exist: a
 // typo in --db should say so, not quietly create an empty file. Its
 // consumers are not subscribed yet; see startProcess.
-func openExistingApp(ctx context.Context, path string, clock func() time.Time) (*App, error) {
+func openExistingApp(ctx context.Context, path string, clock func() time.Time, fault faultHook) (*App, error) {
 	// (A PostgreSQL URL with a typo fails to connect instead.)
 	if !isPostgresURL(path) {
 		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
@@ -111,7 +111,7 @@ func openExistingApp(ctx context.Context, path string, clock func() time.Time) (
 	if err != nil {
 		return nil, err
 	}
-	return newApp(db, clock, nil, nil), nil
+	return newApp(db, clock, nil, fault), nil
 }
 
 // openApp opens (creating if needed) the database at path and returns an App
@@ -373,7 +373,11 @@ func runLoops(ctx context.Context, out io.Writer, dbPath, role, brokerURL, strea
 	}
 	// The relay and the worker serve a database that serve created; a typo
 	// in --db must not start them on a new, empty one.
-	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew))
+	var fault faultHook
+	if clock.setAside {
+		fault = setAsideFaults
+	}
+	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew), fault)
 	if err != nil {
 		return err
 	}
@@ -573,6 +577,10 @@ func useBroker(ctx context.Context, app *App, url, stream string) (func(), error
 type chaosClockFlags struct {
 	file string
 	skew time.Duration
+	// setAside makes the process fail where a broken dependency would,
+	// so that what it works on is set aside for an operator (see
+	// setAsideFaults).
+	setAside bool
 }
 
 // addClockFlags adds the hidden --clock-file and --clock-skew flags: the
@@ -583,8 +591,10 @@ type chaosClockFlags struct {
 func addClockFlags(cmd *cobra.Command, clock *chaosClockFlags) {
 	cmd.Flags().StringVar(&clock.file, "clock-file", "", "add the duration written in this file to the clock")
 	cmd.Flags().DurationVar(&clock.skew, "clock-skew", 0, "run the clock this far ahead")
+	cmd.Flags().BoolVar(&clock.setAside, "set-aside", false, "fail every publish, consumer apply, saga step effect and processor answer")
 	cmd.Flags().MarkHidden("clock-file")
 	cmd.Flags().MarkHidden("clock-skew")
+	cmd.Flags().MarkHidden("set-aside")
 }
 
 // noArgs rejects positional arguments with a hint: the database is named
@@ -755,10 +765,10 @@ func newInspectCommand() *cobra.Command {
 // newTraceCommand builds "retrysafe trace".
 func newTraceCommand() *cobra.Command {
 	var dbPath string
-	var mermaid bool
+	var mermaid, svg bool
 	cmd := &cobra.Command{
 		Use:   "trace ORDER_ID",
-		Short: "Print one order's journey through every table, in time order (or --mermaid)",
+		Short: "Print one order's journey through every table, in time order (or --mermaid, --svg)",
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) != 1 {
 				return fmt.Errorf("%s takes one ORDER_ID (got %d arguments); 'retrysafe inspect --db FILE' lists the orders", cmd.CommandPath(), len(args))
@@ -783,14 +793,20 @@ func newTraceCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if mermaid {
+			switch {
+			case mermaid && svg:
+				return fmt.Errorf("%s takes --mermaid or --svg, not both", cmd.CommandPath())
+			case mermaid:
 				return printMermaid(cmd.OutOrStdout(), t)
+			case svg:
+				return printSVG(cmd.OutOrStdout(), t)
 			}
 			return printTrace(cmd.OutOrStdout(), t)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().BoolVar(&mermaid, "mermaid", false, "print a Mermaid sequenceDiagram instead of text")
+	cmd.Flags().BoolVar(&svg, "svg", false, "print the sequence diagram as an SVG image instead of text")
 	return cmd
 }
 
@@ -802,7 +818,7 @@ func newCleanupCommand() *cobra.Command {
 		Short: "Delete expired idempotency keys and delivered messages older than a week",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			app, err := openExistingApp(cmd.Context(), dbPath, nil)
+			app, err := openExistingApp(cmd.Context(), dbPath, nil, nil)
 			if err != nil {
 				return err
 			}

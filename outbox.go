@@ -19,7 +19,6 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
@@ -171,7 +170,7 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 					  AND earlier.seq < e.seq
 					  AND earlier.status <> 'published')
 				ORDER BY e.seq
-				LIMIT ? `+dialectOf(a.db).skipLocked+`)
+				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts, lease_token, traceparent, tracestate`,
 			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
 		if err != nil {
@@ -221,6 +220,8 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (pub
 	defer func() { a.observeRelay(span, relayID, events, published, err) }()
 	msgs := make([]message, len(events))
 	for i, event := range events {
+		// Sample flaw 10: the message id is the event id, which the
+		// broker and every inbox deduplicate by.
 		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
 	}
 	// One batch: a broker round trip per batch, not per event.
@@ -264,20 +265,16 @@ func (a *App) markPublished(ctx context.Context, relayID string, events []outbox
 	if len(events) == 0 {
 		return nil
 	}
-	claims := make([]string, len(events))
 	args := make([]any, 0, 2*len(events)+2)
 	args = append(args, formatTime(a.now()), relayID)
-	for i, event := range events {
-		// The casts type the parameters for PostgreSQL, which cannot infer
-		// them inside VALUES.
-		claims[i] = "(CAST(? AS BIGINT), CAST(? AS BIGINT))"
+	for _, event := range events {
 		args = append(args, event.Seq, event.LeaseToken)
 	}
 	_, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
 		SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
 		WHERE status = 'pending' AND claimed_by = ?
-		  AND (seq, lease_token) IN (VALUES `+strings.Join(claims, ", ")+`)`,
+		  AND (seq, lease_token) IN `+integerPairs(len(events)),
 		args...)
 	if err != nil {
 		return fmt.Errorf("mark %d outbox events published: %w", len(events), err)

@@ -697,10 +697,12 @@ func checkOperator(operator string) error {
 	return nil
 }
 
-// addRepairFlags adds --db and --operator.
-func addRepairFlags(cmd *cobra.Command, dbPath, operator *string) {
+// addRepairFlags adds --db and --operator, and the hidden clock flags: the
+// chaos run repairs on the clock of the processes it repairs behind.
+func addRepairFlags(cmd *cobra.Command, dbPath, operator *string, clock *chaosClockFlags) {
 	cmd.Flags().StringVar(dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
 	cmd.Flags().StringVar(operator, "operator", os.Getenv("USER"), "who makes the repair, for repair_log (default $USER)")
+	addClockFlags(cmd, clock)
 }
 
 // runRepair opens the database at dbPath, runs repair, prints its results
@@ -708,12 +710,12 @@ func addRepairFlags(cmd *cobra.Command, dbPath, operator *string) {
 // repair was refused or failed (nothing was changed then), if a result
 // says it could not be done, or if the audit finds a violation (the repair
 // is committed; the audit names what is still wrong).
-func runRepair(cmd *cobra.Command, dbPath, brokerURL, stream string, repair func(ctx context.Context, app *App) ([]repairResult, error)) error {
+func runRepair(cmd *cobra.Command, dbPath string, clock chaosClockFlags, brokerURL, stream string, repair func(ctx context.Context, app *App) ([]repairResult, error)) error {
 	ctx := cmd.Context()
 	if err := checkBrokerURL(brokerURL); err != nil {
 		return err
 	}
-	app, err := openExistingApp(ctx, dbPath, nil)
+	app, err := openExistingApp(ctx, dbPath, processClock(clock.file, clock.skew), nil)
 	if err != nil {
 		return err
 	}
@@ -817,6 +819,7 @@ func newOutboxCommand() *cobra.Command {
 		Short: "Repair the outbox: retry events that failed to publish",
 	}
 	var dbPath, operator, orderID string
+	var clock chaosClockFlags
 	var allFailed bool
 	retry := &cobra.Command{
 		Use:   "retry [EVENT_ID | --order ORDER_ID | --all-failed]",
@@ -832,12 +835,12 @@ func newOutboxCommand() *cobra.Command {
 			if len(args) == 1 {
 				target.EventID = args[0]
 			}
-			return runRepair(cmd, dbPath, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
+			return runRepair(cmd, dbPath, clock, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
 				return app.retryOutboxEvents(ctx, operator, target)
 			})
 		},
 	}
-	addRepairFlags(retry, &dbPath, &operator)
+	addRepairFlags(retry, &dbPath, &operator, &clock)
 	retry.Flags().StringVar(&orderID, "order", "", "retry the failed events of this order")
 	retry.Flags().BoolVar(&allFailed, "all-failed", false, "retry every failed event")
 	cmd.AddCommand(retry)
@@ -882,6 +885,7 @@ func newInboxCommand() *cobra.Command {
 		Short: "Repair the inbox: deliver poison messages again",
 	}
 	var dbPath, operator, consumerName, brokerURL, stream string
+	var clock chaosClockFlags
 	var allPoison bool
 	replay := &cobra.Command{
 		Use:   "replay [--consumer C] [MESSAGE_ID | --all-poison]",
@@ -897,12 +901,12 @@ func newInboxCommand() *cobra.Command {
 			if len(args) == 1 {
 				target.MessageID = args[0]
 			}
-			return runRepair(cmd, dbPath, brokerURL, stream, func(ctx context.Context, app *App) ([]repairResult, error) {
+			return runRepair(cmd, dbPath, clock, brokerURL, stream, func(ctx context.Context, app *App) ([]repairResult, error) {
 				return app.replayInboxMessages(ctx, operator, target)
 			})
 		},
 	}
-	addRepairFlags(replay, &dbPath, &operator)
+	addRepairFlags(replay, &dbPath, &operator, &clock)
 	replay.Flags().StringVar(&consumerName, "consumer", "", "only this consumer's poison messages ("+paymentServiceConsumer+", "+orderServiceConsumer+")")
 	replay.Flags().BoolVar(&allPoison, "all-poison", false, "every poison message (of --consumer, if given)")
 	addBrokerFlags(replay, &brokerURL, &stream)
@@ -917,6 +921,7 @@ func newSagaCommand() *cobra.Command {
 		Short: "List sagas by state; resume a saga whose compensation failed",
 	}
 	var dbPath, operator string
+	var clock chaosClockFlags
 	resume := &cobra.Command{
 		Use:   "resume SAGA_ID",
 		Short: "Try the compensations of a compensation_failed saga again",
@@ -930,7 +935,7 @@ func newSagaCommand() *cobra.Command {
 			if err := checkOperator(operator); err != nil {
 				return err
 			}
-			return runRepair(cmd, dbPath, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
+			return runRepair(cmd, dbPath, clock, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
 				result, err := app.resumeSaga(ctx, operator, args[0])
 				if err != nil {
 					return nil, err
@@ -939,7 +944,7 @@ func newSagaCommand() *cobra.Command {
 			})
 		},
 	}
-	addRepairFlags(resume, &dbPath, &operator)
+	addRepairFlags(resume, &dbPath, &operator, &clock)
 
 	var listDB, state string
 	list := &cobra.Command{
@@ -986,6 +991,7 @@ func newRefundCommand() *cobra.Command {
 		Short: "List abandoned refunds; finish them now",
 	}
 	var dbPath, operator string
+	var clock chaosClockFlags
 	finish := &cobra.Command{
 		Use:   "finish",
 		Short: "Run the refund completer once, now, over every refund key no request holds",
@@ -994,7 +1000,7 @@ func newRefundCommand() *cobra.Command {
 			if err := checkOperator(operator); err != nil {
 				return err
 			}
-			return runRepair(cmd, dbPath, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
+			return runRepair(cmd, dbPath, clock, "", "", func(ctx context.Context, app *App) ([]repairResult, error) {
 				results, err := app.finishRefunds(ctx, operator)
 				if err == nil && len(results) == 0 {
 					fmt.Fprintln(cmd.OutOrStdout(), "no refund to finish")
@@ -1003,7 +1009,7 @@ func newRefundCommand() *cobra.Command {
 			})
 		},
 	}
-	addRepairFlags(finish, &dbPath, &operator)
+	addRepairFlags(finish, &dbPath, &operator, &clock)
 
 	var listDB string
 	list := &cobra.Command{

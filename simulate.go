@@ -88,6 +88,13 @@ type simCounts struct {
 	Outages, LostCommits, Answers503              int
 	Reorders, LostAcks, DuplicatePublishes        int
 	simPostgresCounts
+	// The structures the model-based oracle added: orders of several
+	// items, keys reused on another route or order, clock jumps inside a
+	// transaction, consumers whose apply fails, group commits of several
+	// members, refunds of ours announced while in flight, a full disk.
+	MultiItemOrders, KeysReused, ClockJumpsInTx int
+	ConsumerErrors, GroupBatches, GroupMembers  int
+	OwnRefundsAnnounced, FullDisks, AnswersFull int
 }
 
 // add adds other's counts to c.
@@ -111,6 +118,25 @@ func (c *simCounts) add(other simCounts) {
 	c.LostAcks += other.LostAcks
 	c.DuplicatePublishes += other.DuplicatePublishes
 	c.simPostgresCounts.add(other.simPostgresCounts)
+	c.MultiItemOrders += other.MultiItemOrders
+	c.KeysReused += other.KeysReused
+	c.ClockJumpsInTx += other.ClockJumpsInTx
+	c.ConsumerErrors += other.ConsumerErrors
+	c.GroupBatches += other.GroupBatches
+	c.GroupMembers += other.GroupMembers
+	c.OwnRefundsAnnounced += other.OwnRefundsAnnounced
+	c.FullDisks += other.FullDisks
+	c.AnswersFull += other.AnswersFull
+}
+
+// structures says how often a run reached each structure the oracle's
+// model added, for the summary.
+func (c simCounts) structures() string {
+	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
+		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
+		"%d full disks (%d answers 503 for it)",
+		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -227,6 +253,12 @@ type simulation struct {
 	// events are the webhooks the processor sent, by event id: a
 	// redelivery is the same request sent again.
 	events map[string]*simRequest
+	// announced are the processor's events for our own refunds, to be
+	// delivered.
+	announced []*simRequest
+	// consumerFailures counts the failures made per consumer and message
+	// (see failingSometimes).
+	consumerFailures map[string]int
 	// model is the reference model every answer is judged against.
 	model  *simModel
 	report simReport
@@ -256,8 +288,10 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 		clock:  newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)),
 		secret: []byte("whsec_simulation"),
 		events: map[string]*simRequest{},
-		model:  newSimModel(),
-		report: simReport{Seed: opts.seed},
+
+		consumerFailures: map[string]int{},
+		model:            newSimModel(),
+		report:           simReport{Seed: opts.seed},
 	}
 	var seed [32]byte
 	for i := range 8 {
@@ -539,6 +573,14 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			s.report.Counts.Crashes++
 			return errCrash
 		}
+		if s.chance(0.05) {
+			// The clock moves while the transaction is open (a stall, a
+			// paused process that holds the write lock): code that reads
+			// the clock twice in it sees two times.
+			s.report.Counts.ClockJumpsInTx++
+			s.tracef("a%d %s: the clock jumps inside a transaction, at %s", action.id, action.process.name, point)
+			s.jumpClock()
+		}
 		if s.network != nil && !s.network.down {
 			switch roll := s.rng.IntN(100); {
 			case roll < 1:
@@ -552,9 +594,16 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		}
 		return nil
 	}
+	hold := false
+	if point == faultRefundAfterProcessor && action.request != nil && s.chance(0.6) {
+		// The processor announces the refund it just made, ours, while
+		// our side has not recorded it: the event must wait, and then
+		// count nothing twice.
+		hold = s.announceOwnRefund(ctx, action.request)
+	}
 	// Mostly the process just goes on; sometimes it is held here while
 	// others run (and the clock may pass its leases).
-	if !s.chance(0.25) {
+	if !hold && !s.chance(0.25) {
 		return nil
 	}
 	action.waitingAt = point
@@ -568,6 +617,31 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		return errCrash
 	}
 	return nil
+}
+
+// announceOwnRefund queues the processor's charge.refunded event for the
+// refund it just made under req, a client's refund, to be delivered soon.
+// It reports whether there is one.
+func (s *simulation) announceOwnRefund(ctx context.Context, req *simRequest) bool {
+	var chargeID, refundID string
+	var amount int64
+	err := s.direct.QueryRowContext(ctx, `
+		SELECT p.charge_id, p.refund_id, p.amount_cents
+		FROM refunds r JOIN processor_refunds p ON p.idempotency_key = 'refund:' || r.refund_id
+		WHERE r.order_id = ? AND r.idempotency_key = ?`, req.orderID, req.key).Scan(&chargeID, &refundID, &amount)
+	if err != nil {
+		return false
+	}
+	event := s.newRefundEvent(req.client, len(s.webhooks)+1, "own", chargeID, refundID, req.orderID, amount)
+	if event == nil {
+		return false
+	}
+	s.report.Counts.OwnRefundsAnnounced++
+	s.announced = append(s.announced, event)
+	// Delivered in a moment, or once quiet at the latest.
+	req.client.requests = append(req.client.requests, event)
+	s.tracef("the processor announces refund %s of %s, ours, as %s", refundID, req.orderID, event.eventID)
+	return true
 }
 
 // start runs a new action until it first waits at a fault point or ends.
@@ -633,7 +707,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	consumers := s.app.consumers()
 	switch job := s.rng.IntN(5); job {
 	case 0, 1:
-		c := consumers[job]
+		c := s.failingSometimes(consumers[job])
 		action.what = "consumeOnce " + c.name
 		return s.start(ctx, action, func(ctx context.Context) {
 			results, err := s.app.consumeOnce(ctx, c, 4)
@@ -664,6 +738,37 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	}
 }
 
+// consumerFailuresPerMessage is how often the simulator makes a consumer's
+// own code fail on one message: fewer than maxDeliveries, whose last makes
+// the message poison.
+const consumerFailuresPerMessage = maxDeliveries - 2
+
+// failingSometimes returns c with an apply that sometimes fails with an
+// ordinary error, as a consumer's own call to another service does:
+// before its writes, or after them (the inbox must roll them back). The
+// inbox counts each, and the message comes again after a backoff.
+func (s *simulation) failingSometimes(c consumer) consumer {
+	apply := c.apply
+	c.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+		id := c.name + "/" + msg.ID
+		if s.quiescing || s.consumerFailures[id] >= consumerFailuresPerMessage || !s.chance(0.08) {
+			return apply(ctx, tx, msg)
+		}
+		s.consumerFailures[id]++
+		s.report.Counts.ConsumerErrors++
+		if s.chance(0.5) {
+			s.tracef("%s fails on %s before its writes", c.name, msg.ID)
+			return errors.New("the fraud check timed out (simulated)")
+		}
+		if err := apply(ctx, tx, msg); err != nil {
+			return err
+		}
+		s.tracef("%s fails on %s after its writes", c.name, msg.ID)
+		return errors.New("the notification service refused the call (simulated)")
+	}
+	return c
+}
+
 // workerResult describes the outcome of a worker pass for the trace.
 func workerResult(n int, what string, err error) string {
 	if err != nil {
@@ -680,6 +785,11 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	client := pick(s, s.clients)
 	var req *simRequest
 	switch roll := s.rng.IntN(100); {
+	case len(s.announced) > 0 && s.chance(0.5):
+		// The processor delivers an event it announced.
+		req = s.announced[0]
+		s.announced = s.announced[1:]
+		client = req.client
 	case roll < 35 || len(client.requests) == 0:
 		req = s.newCreate(client)
 	case roll < 60:
@@ -692,17 +802,14 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		req = pick(s, recent)
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
-		req = s.newRefund(client, pick(s, client.orders))
-	case roll < 82:
-		// An earlier key with a different body: 422 while the key lives,
-		// a new request once it expired.
-		earlier := pick(s, client.requests)
-		if earlier.kind != "create" {
-			req = s.newCreate(client)
-			break
+		orderID := pick(s, client.orders)
+		if other := pick(s, s.clients); other.user != client.user && len(other.orders) > 0 && s.chance(0.15) {
+			// Another user's order: 404, as for one that does not exist.
+			orderID = pick(s, other.orders)
 		}
-		req = s.newCreate(client)
-		req.key = earlier.key
+		req = s.newRefund(client, orderID)
+	case roll < 82:
+		req = s.reuseKey(client)
 	case roll < 90:
 		req = s.newHostile(client)
 	default:
@@ -735,6 +842,33 @@ func (s *simulation) sending(action *simAction) {
 	req.inFlight++
 }
 
+// reuseKey returns a request under one of client's earlier keys: a create
+// with another body, a refund under a create's key (another route), or a
+// refund under a refund's key for another order. While the key lives it
+// is refused as reused; once it expired it is a new request (or, for a
+// refund key sent again for the order it refunded, refused as expired).
+func (s *simulation) reuseKey(client *simClient) *simRequest {
+	earlier := pick(s, client.requests)
+	if earlier.kind != "create" && earlier.kind != "refund" {
+		return s.newCreate(client)
+	}
+	s.report.Counts.KeysReused++
+	var req *simRequest
+	if len(client.orders) > 0 && s.chance(0.5) {
+		req = s.newRefund(client, pick(s, client.orders))
+	} else {
+		req = s.newCreate(client)
+	}
+	req.key = earlier.key
+	for _, same := range client.requests {
+		if same.key == req.key && same.path == req.path && same.body == req.body {
+			// The very request sent before: a retry.
+			return same
+		}
+	}
+	return req
+}
+
 // containsRequest reports whether requests holds req.
 func containsRequest(requests []*simRequest, req *simRequest) bool {
 	for _, r := range requests {
@@ -752,18 +886,34 @@ func (s *simulation) newKey(client *simClient) string {
 }
 
 // newCreate returns a new create-order request: a good, declined or
-// timing-out card, and often the one unit of sku-rare.
+// timing-out card, and often the one unit of sku-rare. Some orders have
+// several items, sku-rare after another: when it is gone, the reservation
+// runs out of stock half-way, and the holds already taken must go back.
 func (s *simulation) newCreate(client *simClient) *simRequest {
 	card := pick(s, []string{pmCardVisa, pmCardVisa, pmCardVisa, pmCardDeclined, pmCardTimeout})
-	sku := pick(s, []string{"sku-1", "sku-2", "sku-rare", "sku-rare"})
-	body := orderBodyJSON(int64(100*(1+s.rng.IntN(90))), sku, 1+s.rng.IntN(2), card)
+	skus := []string{pick(s, []string{"sku-1", "sku-2", "sku-rare", "sku-rare"})}
+	if s.chance(0.35) {
+		skus = []string{"sku-1", "sku-2", "sku-rare"}
+		s.rng.Shuffle(len(skus), func(i, j int) { skus[i], skus[j] = skus[j], skus[i] })
+		skus = skus[:2+s.rng.IntN(2)]
+		s.report.Counts.MultiItemOrders++
+	}
+	var items []orderItem
+	for _, sku := range skus {
+		items = append(items, orderItem{SKU: sku, Qty: int64(1 + s.rng.IntN(2))})
+	}
+	body := orderBodyJSON(int64(100*(1+s.rng.IntN(90))), items, card)
 	return &simRequest{client: client, kind: "create", method: "POST", path: "/api/orders", key: s.newKey(client), body: body}
 }
 
 // orderBodyJSON is a create-order body.
-func orderBodyJSON(amount int64, sku string, qty int, paymentMethod string) string {
-	return fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[{"sku":%q,"qty":%d}],"payment_method":%q}`,
-		amount, sku, qty, paymentMethod)
+func orderBodyJSON(amount int64, items []orderItem, paymentMethod string) string {
+	var lines []string
+	for _, item := range items {
+		lines = append(lines, fmt.Sprintf(`{"sku":%q,"qty":%d}`, item.SKU, item.Qty))
+	}
+	return fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[%s],"payment_method":%q}`,
+		amount, strings.Join(lines, ","), paymentMethod)
 }
 
 // newRefund returns a refund of orderID: all that remains, or a part.
@@ -1290,21 +1440,22 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 					fmt.Fprintf(out, "seed %d: %d steps, %d requests (%d retries, %d refunds, %d webhooks, %d hostile), "+
 						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses, "+
 						"%d database outages (%d commits whose answer was lost, %d answers 503), "+
-						"%d batches delivered out of order, %d lost acks, %d publishes sent twice%s: ok\n",
+						"%d batches delivered out of order, %d lost acks, %d publishes sent twice, "+
+						"%s%s: ok\n",
 						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
 						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
-						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes,
+						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes, c.structures(),
 						c.summary(isPostgresURL(dbPath)))
 				}
 			}
 			elapsed := time.Since(start)
 			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min); "+
 				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, "+
-				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks%s\n",
+				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks, %s%s\n",
 				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
 				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
 				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
-				total.Outages, total.LostCommits, total.Reorders, total.LostAcks,
+				total.Outages, total.LostCommits, total.Reorders, total.LostAcks, total.structures(),
 				total.summary(isPostgresURL(dbPath)))
 			return nil
 		},

@@ -364,12 +364,15 @@ func (t *simPostgresTx) Commit() error {
 	switch c.draw(true) {
 	case postgresTerminate:
 		if err := c.terminateMidTransaction(ctx, "the COMMIT"); err != nil {
+			// The simulator failed, not the App: the run fails with err.
 			t.tx.Rollback()
 			return err
 		}
 		return c.seen(t.tx.Commit())
 	case postgresConflict:
 		err := c.conflict(ctx, "the COMMIT")
+		// The server aborted the transaction; ROLLBACK ends it, as the
+		// server does itself when it refuses a COMMIT.
 		t.tx.Rollback()
 		return err
 	case postgresLoseCommit:
@@ -390,6 +393,9 @@ func (t *simPostgresTx) Rollback() error {
 	c := t.conn
 	c.inTx = false
 	if c.terminated {
+		// Only pgx's side is left to close; its error would say no more
+		// than that the connection is gone, which ErrBadConn says to
+		// database/sql, which then discards the connection.
 		t.tx.Rollback()
 		return driver.ErrBadConn
 	}

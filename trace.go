@@ -3,7 +3,7 @@
 // what the inbox did with it, each saga step and compensation, each call to
 // the processor with its idempotency key, refunds, and where the order ended.
 // The tables hold the story in pieces; trace puts the pieces in time order,
-// as text or as a Mermaid sequence diagram.
+// as text, as a Mermaid sequence diagram, or drawn as an SVG (trace_svg.go).
 
 package main
 
@@ -644,27 +644,10 @@ func mermaidLabel(s string) string {
 // row, then the final state as a note. Ids are shown by their prefix only,
 // so the diagram of a run with fixed steps stays the same.
 func printMermaid(w io.Writer, t *orderTrace) error {
-	present := map[string]bool{}
-	var inboxes []string
-	for _, row := range t.rows {
-		for _, p := range []string{row.from, row.to} {
-			if !present[p] && strings.HasPrefix(p, "Inbox (") {
-				inboxes = append(inboxes, p)
-			}
-			present[p] = true
-		}
-	}
-	sort.Strings(inboxes)
-	order := []string{traceClient, traceAPI, traceRelay, traceBroker}
-	order = append(order, inboxes...)
-	order = append(order, traceSaga, traceProcessor)
-
 	var buf bytes.Buffer
 	fmt.Fprintln(&buf, "sequenceDiagram")
-	for _, p := range order {
-		if present[p] {
-			fmt.Fprintf(&buf, "    participant %s as %s\n", mermaidID(p), p)
-		}
+	for _, p := range traceParticipants(t) {
+		fmt.Fprintf(&buf, "    participant %s as %s\n", mermaidID(p), p)
 	}
 	for _, row := range t.rows {
 		fmt.Fprintf(&buf, "    %s->>%s: %s\n", mermaidID(row.from), mermaidID(row.to), mermaidLabel(row.text))

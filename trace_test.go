@@ -306,3 +306,67 @@ func TestDocsDiagram(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// journeyPicture is the drawing of the demo's first order that the first
+// page shows.
+const journeyPicture = "docs/journey.svg"
+
+// Ensure the first page's picture of an order's journey is what trace --svg
+// draws for the demo's first order today: regenerate it with
+// go test -run TestDocsJourneyPicture -update.
+func TestDocsJourneyPicture(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "demo.db")
+	orderIDs := MustRunDemo(t, path)
+	drawn, err := runTraceCLI(t, "trace", "--db", path, "--svg", orderIDs[0])
+	if err != nil {
+		t.Fatalf("trace --svg: %v\n%s", err, drawn)
+	}
+	if !strings.HasPrefix(drawn, "<svg ") || !strings.HasSuffix(drawn, "</svg>\n") || strings.Contains(drawn, "<script") {
+		t.Fatalf("trace --svg wrote no SVG, or one with a script:\n%s", drawn)
+	}
+	current, err := os.ReadFile(journeyPicture)
+	if err == nil && string(current) == drawn {
+		return
+	}
+	if !*updateDocs {
+		t.Fatalf("%s is not what trace --svg draws for the demo's first order (%v); run go test -run TestDocsJourneyPicture -update", journeyPicture, err)
+	}
+	if err := os.WriteFile(journeyPicture, []byte(drawn), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Ensure trace --svg shows every row of the timeline as an arrow with its
+// text, escapes what came from the tables, and refuses --mermaid with it.
+func TestTraceSVG(t *testing.T) {
+	trace := &orderTrace{
+		header: "order ord_x",
+		rows: []traceRow{
+			{from: traceClient, to: traceAPI, text: `POST /api/orders, key <script>&"x"`},
+			{from: traceAPI, to: traceAPI, text: "order written"},
+			{from: traceBroker, to: "Inbox (payment-svc)", text: "delivery 1"},
+		},
+		final: "order paid",
+	}
+	var out bytes.Buffer
+	if err := printSVG(&out, trace); err != nil {
+		t.Fatal(err)
+	}
+	svg := out.String()
+	for _, want := range []string{"&lt;script&gt;&amp;&#34;x&#34;", ">order written</text>", ">delivery 1</text>", ">Inbox (payment-svc)</text>", "final: order paid"} {
+		if !strings.Contains(svg, want) {
+			t.Errorf("the SVG has no %q:\n%s", want, svg)
+		}
+	}
+	if strings.Contains(svg, "<script") {
+		t.Errorf("text from the tables reached the SVG unescaped:\n%s", svg)
+	}
+	if n := strings.Count(svg, "marker-end="); n != len(trace.rows) {
+		t.Errorf("got %d arrows, want one for each of the %d rows", n, len(trace.rows))
+	}
+	path := filepath.Join(t.TempDir(), "demo.db")
+	orderIDs := MustRunDemo(t, path)
+	if out, err := runTraceCLI(t, "trace", "--db", path, "--svg", "--mermaid", orderIDs[0]); err == nil || !strings.Contains(out, "not both") {
+		t.Fatalf("trace --svg --mermaid: got %v\n%s", err, out)
+	}
+}

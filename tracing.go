@@ -291,6 +291,62 @@ func (a *App) startSendSpan(ctx context.Context, relayID string, events []outbox
 		trace.WithAttributes(attrs...), trace.WithLinks(links...))
 }
 
+// consumedBatch is what consumeOnce's observation keeps of one batch: the
+// context of its "receive" span, and the span context of each delivery's
+// "process" span, for the log's trace_id.
+type consumedBatch struct {
+	receiveCtx context.Context
+	processed  []trace.SpanContext
+}
+
+// observeFetch records the "receive" span of a fetch by c that began at
+// fetched, and counts its deliveries.
+func (a *App) observeFetch(ctx context.Context, c consumer, deliveries []delivery, fetched time.Time) *consumedBatch {
+	a.metrics.delivered(c.name, deliveries)
+	return &consumedBatch{
+		receiveCtx: a.traceReceive(ctx, c, deliveries, fetched),
+		processed:  make([]trace.SpanContext, len(deliveries)),
+	}
+}
+
+// receiveTraced puts d, the i-th delivery of batch, through the inbox in tx
+// (a.entry.receiveIn: receiveIn unless demo --without replaced it), in a
+// "process" span of its own.
+func (a *App) receiveTraced(batch *consumedBatch, i int, tx *sql.Tx, c consumer, d delivery) (receiveResult, error) {
+	processCtx, span := a.startProcessSpan(batch.receiveCtx, c, d)
+	batch.processed[i] = span.SpanContext()
+	result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+		if err := a.fault.at(processCtx, faultConsumerApply); err != nil {
+			return err
+		}
+		return c.apply(processCtx, tx, d.message)
+	})
+	endProcessSpan(span, result, err)
+	return result, err
+}
+
+// observeConsumed logs and counts what a committed batch did, and wakes
+// the saga loop if a message was applied: it may have started a saga
+// (startFulfilment), which it can run now that it is committed.
+func (a *App) observeConsumed(ctx context.Context, c consumer, deliveries []delivery, results []receiveResult, batch *consumedBatch) {
+	if a.log.Enabled(ctx, slog.LevelInfo) {
+		for i, d := range deliveries {
+			withTraceID(a.log, batch.processed[i]).Info("inbox", "consumer", c.name, "message_id", d.ID, "event_type", d.Subject, "order_id", payloadOrderID(d.Payload),
+				"delivery", d.DeliveryCount, "outcome", string(results[i].Outcome))
+		}
+	}
+	for _, result := range results {
+		a.metrics.inboxOutcome(c.name, result.Outcome)
+	}
+	a.observeFinalStates(ctx, c, deliveries, results)
+	for _, result := range results {
+		if result.Outcome == inboxApplied {
+			a.wake.saga.signal()
+			break
+		}
+	}
+}
+
 // traceReceive records the "receive" span of a fetch by c that began at
 // fetched and returned deliveries: a new trace, with a link to each
 // message's creation context. It returns the context whose span parents
