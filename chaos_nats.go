@@ -87,8 +87,8 @@ type natsCluster struct {
 
 // startNATSCluster starts size nats-servers from binary with JetStream,
 // each storing under dir/<name>, with sync_interval: always if syncAlways
-// and the binary knows the setting, and waits until JetStream answers (on
-// a cluster: once it has elected its meta leader).
+// and the binary knows the setting, and waits until a stream of size
+// replicas can be created.
 func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlways bool, log io.Writer) (*natsCluster, error) {
 	cluster := &natsCluster{}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -134,9 +134,17 @@ func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlw
 		cluster.stop()
 		return nil, err
 	}
+	// Ready means a stream of size replicas can be placed: a cluster
+	// answers account requests as soon as it has a meta leader, and
+	// refuses streams ("no suitable peers for placement") until that
+	// leader knows every server.
+	probe := jetstream.StreamConfig{Name: "RETRYSAFE_READY", Subjects: []string{"retrysafe-ready"}, Storage: jetstream.MemoryStorage, Replicas: size}
 	for {
-		infoCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		_, err := cluster.js.AccountInfo(infoCtx)
+		probeCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err := cluster.js.CreateOrUpdateStream(probeCtx, probe)
+		if err == nil {
+			err = cluster.js.DeleteStream(probeCtx, probe.Name)
+		}
 		cancel()
 		if err == nil {
 			return cluster, nil

@@ -643,7 +643,7 @@ func mustPublishFailWithin(tb testing.TB, broker *natsBroker, limit time.Duratio
 	select {
 	case err := <-published:
 		if err == nil {
-			tb.Fatal("the publish succeeded; want it to fail")
+			tb.Fatalf("the publish succeeded after %s; want it to fail", time.Since(started).Round(100*time.Millisecond))
 		}
 		tb.Logf("the publish failed after %s: %v", time.Since(started).Round(100*time.Millisecond), err)
 	case <-time.After(limit):
@@ -682,10 +682,13 @@ func TestNATSStalledServer(t *testing.T) {
 	})
 
 	// Ensure a publish through a healthy server of a cluster, to a stream
-	// whose leader stopped answering, fails after natsPublishTimeout: the
-	// connection stays up, so only the publish's own timeout ends the
-	// wait for an acknowledgement that will never come.
-	t.Run("PublishToStoppedLeaderFails", func(t *testing.T) {
+	// that lost its quorum (two of its three servers stopped answering, so
+	// no leader can be elected and nothing can be acknowledged), fails
+	// after natsPublishTimeout: the connection to the healthy server stays
+	// up, so only the publish's own timeout ends the wait. (With one
+	// server stopped, the others may elect a leader that takes the
+	// publish, and it succeeds.)
+	t.Run("PublishToStreamWithoutQuorumFails", func(t *testing.T) {
 		cluster := startTestNATS(t, 3, false)
 		creator, err := openNATSBroker(ctx, cluster.url(), "STALLED", time.Second)
 		if err != nil {
@@ -702,6 +705,7 @@ func TestNATSStalledServer(t *testing.T) {
 		}
 		defer broker.close()
 		stopNode(t, leader)
+		stopNode(t, followers[1])
 		mustPublishFailWithin(t, broker, 2*natsPublishTimeout)
 	})
 }
