@@ -85,6 +85,7 @@ type simCounts struct {
 	ClockJumps, LostResponses, Answers5xx         int
 	Outages, LostCommits, Answers503              int
 	Reorders, LostAcks, DuplicatePublishes        int
+	Repairs                                       simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -107,6 +108,7 @@ func (c *simCounts) add(other simCounts) {
 	c.Reorders += other.Reorders
 	c.LostAcks += other.LostAcks
 	c.DuplicatePublishes += other.DuplicatePublishes
+	c.Repairs.add(other.Repairs)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -204,6 +206,7 @@ type simulation struct {
 	// refusedEvents are the ids of the signed events the simulator made
 	// invalid on purpose: poison is the right outcome for them.
 	refusedEvents []string
+	operator      simOperator
 	report        simReport
 }
 
@@ -507,6 +510,9 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	if action.crashed {
 		return errCrash
 	}
+	if err := s.brokenDependency(point); err != nil {
+		return err
+	}
 	if point == faultProcessorLoseResponse && s.chance(0.1) {
 		s.report.Counts.LostResponses++
 		return errors.New("connection reset")
@@ -609,7 +615,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 		})
 	}
 	consumers := s.app.consumers()
-	switch job := s.rng.IntN(5); job {
+	switch job := s.rng.IntN(6); job {
 	case 0, 1:
 		c := consumers[job]
 		action.what = "consumeOnce " + c.name
@@ -632,6 +638,8 @@ func (s *simulation) workerPass(ctx context.Context) error {
 			action.result = workerResult(n, "refunds finished", err)
 			action.err = err
 		})
+	case 5:
+		return s.operatorPass(ctx)
 	default:
 		action.what = "cleanupOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
@@ -949,6 +957,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("audit: %w", err)
 	}
+	violations = s.withoutSetAside(violations)
 	if len(violations) > 0 {
 		return s.fail("invariant broken: %s: %s", violations[0].Invariant, violations[0].Detail)
 	}
@@ -1002,6 +1011,11 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 			busy = busy || n > 0
 		}
+		repaired, err := s.repairWhileQuiet(ctx)
+		if err != nil {
+			return err
+		}
+		busy = busy || repaired
 		if !busy {
 			break
 		}
@@ -1238,6 +1252,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
 						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
 						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes)
+					fmt.Fprintf(out, "  %s\n", c.Repairs)
 				}
 			}
 			elapsed := time.Since(start)
@@ -1248,6 +1263,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
 				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
 				total.Outages, total.LostCommits, total.Reorders, total.LostAcks)
+			fmt.Fprintf(out, "  %s\n", total.Repairs)
 			return nil
 		},
 	}
