@@ -514,7 +514,11 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 			if window%2 == 1 {
 				benched, setAside, killed = workers, setAsideWorker, processes[:cfg.Serves]
 			}
-			if err := runSetAsideWindow(ctx, cfg.Binary, clock, benched, setAside, killed); err != nil {
+			length := setAsideWindow
+			if brokerURL != "" || isPostgresURL(cfg.DBPath) {
+				length = setAsideWindowSlow
+			}
+			if err := runSetAsideWindow(ctx, cfg.Binary, clock, length, benched, setAside, killed); err != nil {
 				run.violation("set-aside window: %v", err)
 				return
 			}

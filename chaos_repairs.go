@@ -62,10 +62,14 @@ func setAsideFaults(ctx context.Context, point faultPoint) error {
 // past maxPublishAttempts publishes (relayBackoff at chaosLeaseScale),
 // maxDeliveries deliveries and maxCompensationAttempts compensations
 // (consumeBackoff and sagaBackoff, which no lease scale shortens).
+// setAsideWindowSlow is the window on PostgreSQL or NATS, whose passes are
+// slower, and whose redeliveries (after a nak's delay) follow the NATS
+// server's clock, which no clock file moves: 1+2+4+8 s for maxDeliveries.
 const (
-	setAsideQueueUp   = time.Second
-	setAsideWindow    = 3 * time.Second
-	setAsideClockStep = 8 * time.Second
+	setAsideQueueUp    = time.Second
+	setAsideWindow     = 3 * time.Second
+	setAsideWindowSlow = 20 * time.Second
+	setAsideClockStep  = 8 * time.Second
 )
 
 // chaosRepairCounts is what the repairs of a run did, for the closing
@@ -312,13 +316,13 @@ func (c *chaosClock) advance(d time.Duration) error {
 }
 
 // runSetAsideWindow replaces benched (the run's relays, or its workers) by
-// setAside, a --set-aside process, for setAsideWindow while every clock
-// runs ahead, then brings them back.
+// setAside, a --set-aside process, for window while every clock runs
+// ahead, then brings them back.
 //
 // In a workers' window the serves are SIGKILLed once as it opens: a refund
 // request in flight is abandoned, and the set-aside worker's completer,
 // whose processor answers are lost, gives up on it.
-func runSetAsideWindow(ctx context.Context, binary string, clock *chaosClock, benched []*chaosProcess, setAside *chaosProcess, killed []*chaosProcess) error {
+func runSetAsideWindow(ctx context.Context, binary string, clock *chaosClock, window time.Duration, benched []*chaosProcess, setAside *chaosProcess, killed []*chaosProcess) error {
 	var wg sync.WaitGroup
 	for _, p := range benched {
 		wg.Add(1)
@@ -344,7 +348,7 @@ func runSetAsideWindow(ctx context.Context, binary string, clock *chaosClock, be
 			return err
 		}
 	}
-	for end := time.Now().Add(setAsideWindow); time.Now().Before(end) && ctx.Err() == nil; {
+	for end := time.Now().Add(window); time.Now().Before(end) && ctx.Err() == nil; {
 		if err := clock.advance(setAsideClockStep); err != nil {
 			return err
 		}

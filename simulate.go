@@ -95,6 +95,7 @@ type simCounts struct {
 	MultiItemOrders, KeysReused, ClockJumpsInTx int
 	ConsumerErrors, GroupBatches, GroupMembers  int
 	OwnRefundsAnnounced, FullDisks, AnswersFull int
+	Repairs                                     simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -127,6 +128,7 @@ func (c *simCounts) add(other simCounts) {
 	c.OwnRefundsAnnounced += other.OwnRefundsAnnounced
 	c.FullDisks += other.FullDisks
 	c.AnswersFull += other.AnswersFull
+	c.Repairs.add(other.Repairs)
 }
 
 // structures says how often a run reached each structure the oracle's
@@ -260,8 +262,9 @@ type simulation struct {
 	// (see failingSometimes).
 	consumerFailures map[string]int
 	// model is the reference model every answer is judged against.
-	model  *simModel
-	report simReport
+	model    *simModel
+	operator simOperator
+	report   simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -563,6 +566,9 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	if action.crashed {
 		return errCrash
 	}
+	if err := s.brokenDependency(point); err != nil {
+		return err
+	}
 	if point == faultProcessorLoseResponse && s.chance(0.1) {
 		s.report.Counts.LostResponses++
 		return errors.New("connection reset")
@@ -705,7 +711,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 		})
 	}
 	consumers := s.app.consumers()
-	switch job := s.rng.IntN(5); job {
+	switch job := s.rng.IntN(6); job {
 	case 0, 1:
 		c := s.failingSometimes(consumers[job])
 		action.what = "consumeOnce " + c.name
@@ -728,6 +734,8 @@ func (s *simulation) workerPass(ctx context.Context) error {
 			action.result = workerResult(n, "refunds finished", err)
 			action.err = err
 		})
+	case 5:
+		return s.operatorPass(ctx)
 	default:
 		action.what = "cleanupOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
@@ -1154,6 +1162,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("audit: %w", err)
 	}
+	violations = s.withoutSetAside(violations)
 	if len(violations) > 0 {
 		return s.fail("invariant broken: %s: %s", violations[0].Invariant, violations[0].Detail)
 	}
@@ -1207,6 +1216,11 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 			busy = busy || n > 0
 		}
+		repaired, err := s.repairWhileQuiet(ctx)
+		if err != nil {
+			return err
+		}
+		busy = busy || repaired
 		if !busy {
 			break
 		}
@@ -1446,6 +1460,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
 						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes, c.structures(),
 						c.summary(isPostgresURL(dbPath)))
+					fmt.Fprintf(out, "  %s\n", c.Repairs)
 				}
 			}
 			elapsed := time.Since(start)
@@ -1457,6 +1472,7 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
 				total.Outages, total.LostCommits, total.Reorders, total.LostAcks, total.structures(),
 				total.summary(isPostgresURL(dbPath)))
+			fmt.Fprintf(out, "  %s\n", total.Repairs)
 			return nil
 		},
 	}
