@@ -171,7 +171,10 @@ func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID
 	err := recordAndApply(ctx, tx, consumerName, messageID, deliveryCount, now, apply, &result)
 	if err != nil {
 		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO inbox_message`); rollbackErr != nil {
-			return result, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+			// SQLite already rolled the whole transaction back (a full
+			// disk, SQLITE_FULL): the cause, not the missing savepoint,
+			// says the failure is transient.
+			return result, fmt.Errorf("rollback to savepoint after %w: %v", err, rollbackErr)
 		}
 	}
 	if _, releaseErr := tx.ExecContext(ctx, `RELEASE inbox_message`); releaseErr != nil {

@@ -600,7 +600,10 @@ func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNex
 	next, err := a.sagaStep(ctx, tx, run)
 	if err != nil {
 		if _, rollbackErr := tx.ExecContext(ctx, `ROLLBACK TO saga_step`); rollbackErr != nil {
-			return sagaLeft, fmt.Errorf("rollback to savepoint: %w", rollbackErr)
+			// SQLite already rolled the whole transaction back (a full
+			// disk, SQLITE_FULL): the cause, not the missing savepoint,
+			// says the failure is transient.
+			return sagaLeft, fmt.Errorf("rollback to savepoint after %w: %v", err, rollbackErr)
 		}
 	}
 	if _, releaseErr := tx.ExecContext(ctx, `RELEASE saga_step`); releaseErr != nil {
