@@ -482,7 +482,10 @@ func inSavepoint(ctx context.Context, tx *sql.Tx, name string, fn func() error) 
 	failed = fn()
 	if failed != nil {
 		if _, err := tx.ExecContext(ctx, `ROLLBACK TO `+name); err != nil {
-			return failed, fmt.Errorf("rollback to savepoint: %w", err)
+			// SQLite already rolled the whole transaction back (a full
+			// disk, SQLITE_FULL): the cause, not the missing savepoint,
+			// says the failure is transient.
+			return failed, fmt.Errorf("rollback to savepoint after %w: %v", failed, err)
 		}
 	}
 	if _, err := tx.ExecContext(ctx, `RELEASE `+name); err != nil {

@@ -50,6 +50,30 @@ func countingEffect(tb testing.TB, env *testEnv, name string) (func(tx *sql.Tx) 
 func TestInbox(t *testing.T) {
 	ctx := context.Background()
 
+	// Ensure a message whose effect fills the disk fails as the database
+	// being unavailable: SQLite rolls the whole transaction back on
+	// SQLITE_FULL, so the message's savepoint is gone, and the missing
+	// savepoint must not hide the cause (a webhook was answered 500, a
+	// worker reported a bug, where a full disk is transient).
+	t.Run("FullDiskIsTransient", func(t *testing.T) {
+		if onPostgres() {
+			t.Skip("max_page_count is SQLite's")
+		}
+		env := MustOpenApp(t)
+		if _, err := env.app.db.ExecContext(ctx, `CREATE TABLE scratch (b BLOB)`); err != nil {
+			t.Fatal(err)
+		}
+		lift := capFileAtItsSize(t, env)
+		defer lift()
+		_, err := env.app.receive(ctx, "billing", "msg-full", 1, func(tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO scratch (b) VALUES (randomblob(1000000))`)
+			return err
+		})
+		if !isDatabaseUnavailable(err) {
+			t.Fatalf("a message that filled the disk failed with %v, want the database unavailable", err)
+		}
+	})
+
 	// Ensure a redelivered message is skipped and acked, not applied again.
 	t.Run("RedeliveryIsSkipped", func(t *testing.T) {
 		env := MustOpenApp(t)

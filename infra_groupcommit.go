@@ -45,6 +45,12 @@ type groupCommitter struct {
 	leading bool
 	// waiting are the followers queued for a batch.
 	waiting []groupRequest
+
+	// wait is how a follower waits for its outcome: a receive from done.
+	// The deterministic simulator, which runs one request at a time,
+	// waits by handing control back to its scheduler instead, so that it
+	// can queue several requests behind a leader.
+	wait func(done chan groupOutcome) groupOutcome
 }
 
 // groupRequest is one request's work and where its outcome goes.
@@ -78,7 +84,12 @@ func (o groupOutcome) result() error {
 
 // newGroupCommitter returns a groupCommitter over db.
 func newGroupCommitter(db *sql.DB) *groupCommitter {
-	return &groupCommitter{db: db}
+	return &groupCommitter{db: db, wait: receiveOutcome}
+}
+
+// receiveOutcome waits for the outcome sent on done.
+func receiveOutcome(done chan groupOutcome) groupOutcome {
+	return <-done
 }
 
 // do runs fn in a group commit and returns fn's error, or the commit's. It returns only once the commit is done (or failed), even
@@ -99,7 +110,7 @@ func (g *groupCommitter) do(ctx context.Context, fn func(ctx context.Context, tx
 	}
 	g.waiting = append(g.waiting, req)
 	g.mu.Unlock()
-	outcome := <-req.done
+	outcome := g.wait(req.done)
 	if outcome.lead {
 		return g.lead(req)
 	}

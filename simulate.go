@@ -262,9 +262,15 @@ type simulation struct {
 	// (see failingSometimes).
 	consumerFailures map[string]int
 	// model is the reference model every answer is judged against.
-	model    *simModel
-	operator simOperator
-	report   simReport
+	model *simModel
+	// diskFullUntil is the step the full disk ends at (see fillDisk).
+	diskFullUntil int
+	// groupProcess is the process whose group commit holds a batch, until
+	// step groupReleaseAt (see holdGroupCommit).
+	groupProcess   *simProcess
+	groupReleaseAt int
+	operator       simOperator
+	report         simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -378,6 +384,7 @@ func (s *simulation) openApp(ctx context.Context, path string, ids func(string) 
 		return nil, err
 	}
 	app := newApp(db, s.clock.now, ids, s.faultHook)
+	app.group.wait = s.waitInQueue
 	app.readDB = readers
 	app.processor.db = direct
 	// The embedded broker stands for a broker of its own (NATS
@@ -401,13 +408,18 @@ func (s *simulation) newNetwork(name string) *simDatabase {
 	network.refused = func() {
 		if s.current != nil {
 			s.current.sawOutage = true
+			for _, queued := range s.queuedInGroup() {
+				queued.sawOutage = true
+			}
 		}
 	}
 	network.commitLost = func() {
 		if s.current != nil {
-			s.current.sawOutage = true
-			if s.current.request != nil {
-				s.current.request.commitLostAt = s.clock.now()
+			for _, action := range append(s.queuedInGroup(), s.current) {
+				action.sawOutage = true
+				if action.request != nil {
+					action.request.commitLostAt = s.clock.now()
+				}
 			}
 		}
 		s.report.Counts.LostCommits++
@@ -495,6 +507,16 @@ func (s *simulation) oneStep(ctx context.Context) error {
 			s.endOutage(network)
 		}
 	}
+	if s.groupProcess != nil && s.step >= s.groupReleaseAt {
+		if err := s.releaseGroupCommit(ctx); err != nil {
+			return err
+		}
+	}
+	if s.network != nil && s.network.maxPages > 0 && s.step >= s.diskFullUntil {
+		if err := s.freeDisk(ctx); err != nil {
+			return err
+		}
+	}
 	// Time passes between any two events, a little.
 	s.clock.advance(time.Duration(s.rng.IntN(400)) * time.Millisecond)
 	roll := s.rng.IntN(100)
@@ -511,11 +533,50 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	case roll < 99 || s.network == nil:
 		return s.crash(ctx, pick(s, s.processes))
 	default:
+		if s.chance(0.4) {
+			return s.fillDisk(ctx)
+		}
 		if network := pick(s, []*simDatabase{s.network, s.brokerNetwork}); !network.down {
 			s.beginOutage(network)
 		}
 		return nil
 	}
+}
+
+// fillDisk makes the App's disk full for a few steps: the file may not
+// grow past the pages it has now. A write that needs another page fails
+// with SQLITE_FULL and takes its whole transaction down; every request
+// must still get one answer (503), and nothing may be lost.
+func (s *simulation) fillDisk(ctx context.Context) error {
+	if s.network.down || s.network.maxPages > 0 {
+		return nil
+	}
+	var pages int64
+	if err := s.direct.QueryRowContext(ctx, `PRAGMA page_count`).Scan(&pages); err != nil {
+		return fmt.Errorf("read page count: %w", err)
+	}
+	if _, err := setMaxPages(ctx, s.app.db, s.network, pages); err != nil {
+		return err
+	}
+	s.diskFullUntil = s.step + 2 + s.rng.IntN(15)
+	s.report.Counts.FullDisks++
+	s.tracef("the disk is full at %d pages until step %d", pages, s.diskFullUntil)
+	return nil
+}
+
+// freeDisk gives the disk room again.
+func (s *simulation) freeDisk(ctx context.Context) error {
+	if s.network == nil || s.network.maxPages == 0 {
+		return nil
+	}
+	if s.network.down {
+		// The cap goes with the connection the outage closed.
+		s.network.maxPages = 0
+	} else if _, err := setMaxPages(ctx, s.app.db, s.network, 0); err != nil {
+		return err
+	}
+	s.tracef("the disk has room again")
+	return nil
 }
 
 // jumpClock moves the clock: mostly a little, sometimes past every lease,
@@ -575,6 +636,19 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	}
 	if point.insideTransaction() {
 		if s.chance(0.03) {
+			// The process dies: every action of it, the requests queued
+			// in its group commit among them, and its transaction with it.
+			for _, other := range s.actions {
+				if other.process == action.process {
+					other.crashed = true
+				}
+			}
+			if queued := s.queuedInGroup(); len(queued) > 0 && s.network != nil && action.request != nil && action.request.kind == "create" {
+				for _, other := range queued {
+					other.crashed = true
+				}
+				s.network.processDied = true
+			}
 			action.crashed = true
 			s.report.Counts.Crashes++
 			return errCrash
@@ -650,6 +724,103 @@ func (s *simulation) announceOwnRefund(ctx context.Context, req *simRequest) boo
 	return true
 }
 
+// groupQueued is where a create waits in the group commit's queue for its
+// batch's leader (see holdGroupCommit). It is the simulator's, not a fault
+// point of the App: the request waits there until its outcome comes.
+const groupQueued faultPoint = "groupcommit.queued"
+
+// waitInQueue is the group commit's wait (groupCommitter.wait) in the
+// simulator: the running create waits for its outcome by handing control
+// back, so that other requests can queue behind it and a leader can run
+// them all. A crash does not end the wait: the leader may still commit
+// the request's work, and its client, gone, never hears of it.
+func (s *simulation) waitInQueue(done chan groupOutcome) groupOutcome {
+	for {
+		select {
+		case outcome := <-done:
+			return outcome
+		default:
+		}
+		action := s.current
+		if action == nil {
+			return <-done
+		}
+		action.waitingAt = groupQueued
+		action.suspendedAt = s.clock.now()
+		s.current = nil
+		if !action.yield(groupQueued) {
+			// The run is over (it failed): stop waiting.
+			s.current = action
+			return groupOutcome{err: errCrash}
+		}
+		s.current = action
+	}
+}
+
+// holdGroupCommit makes the group commit look busy, as while a batch
+// waits for the write lock: the creates that come next queue behind it,
+// on one serve process, until releaseGroupCommit hands the lead to the
+// first of them, which runs them all in one transaction, a savepoint
+// each. Some members fail (a key reused, a full disk, an outage) and
+// every member must get its one answer.
+func (s *simulation) holdGroupCommit() bool {
+	g := s.app.group
+	if g == nil || s.groupProcess != nil || s.quiescing {
+		return false
+	}
+	g.mu.Lock()
+	busy := g.leading
+	if !busy {
+		g.leading = true
+	}
+	g.mu.Unlock()
+	if busy {
+		return false
+	}
+	s.groupProcess = pick(s, s.processes[:2])
+	s.groupReleaseAt = s.step + 2 + s.rng.IntN(8)
+	s.report.Counts.GroupBatches++
+	s.tracef("the group commit of %s holds its next batch until step %d", s.groupProcess.name, s.groupReleaseAt)
+	return true
+}
+
+// releaseGroupCommit lets the held batch run now: its first request leads,
+// and the others learn their outcome.
+func (s *simulation) releaseGroupCommit(ctx context.Context) error {
+	g := s.app.group
+	if g == nil || s.groupProcess == nil {
+		return nil
+	}
+	g.mu.Lock()
+	queued := len(g.waiting)
+	g.mu.Unlock()
+	s.report.Counts.GroupMembers += queued
+	s.tracef("the group commit of %s runs a batch of %d queued requests", s.groupProcess.name, queued)
+	s.groupProcess = nil
+	g.handOver()
+	// The leader first, wherever it stands in the queue; then the others.
+	for range 2 {
+		for _, action := range s.queuedInGroup() {
+			if err := s.resume(ctx, action); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// queuedInGroup returns the actions waiting in the group commit's queue:
+// they run in the leader's transaction, so what befalls it befalls them.
+func (s *simulation) queuedInGroup() []*simAction {
+	var queued []*simAction
+	for _, action := range s.actions {
+		if action.waitingAt == groupQueued && action != s.current {
+			queued = append(queued, action)
+		}
+	}
+	return queued
+}
+
 // start runs a new action until it first waits at a fault point or ends.
 func (s *simulation) start(ctx context.Context, action *simAction, body func(ctx context.Context)) error {
 	s.nextID++
@@ -669,6 +840,14 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 			s.report.Counts.Pauses++
 			s.tracef("a%d %s resumes after a pause of %s at %s", action.id, action.process.name,
 				s.clock.now().Sub(action.suspendedAt), action.waitingAt)
+		}
+	}
+	if s.network != nil && s.network.maxPages > 0 {
+		// A write of it, or of a batch it leads, may fail for the full
+		// disk, as for an outage.
+		action.sawOutage = true
+		for _, queued := range s.queuedInGroup() {
+			queued.sawOutage = true
 		}
 	}
 	s.current = action
@@ -798,6 +977,10 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		req = s.announced[0]
 		s.announced = s.announced[1:]
 		client = req.client
+	case s.groupProcess != nil && len(client.requests) > 0 && s.chance(0.5):
+		// While a batch is held, creates queue behind it: new ones, and
+		// some under a key already taken, which fail in the batch.
+		req = s.queuedCreate(client)
 	case roll < 35 || len(client.requests) == 0:
 		req = s.newCreate(client)
 	case roll < 60:
@@ -826,11 +1009,56 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			req = s.newCreate(client)
 		}
 	}
+	if req.kind == "create" && s.chance(0.06) && s.holdGroupCommit() {
+		// Several requests queue at once behind the held batch.
+		for range 1 + s.rng.IntN(4) {
+			other := pick(s, s.clients)
+			if err := s.sendRequest(ctx, other, s.queuedCreate(other)); err != nil {
+				return err
+			}
+		}
+	}
+	return s.sendRequest(ctx, client, req)
+}
+
+// queuedCreate returns a create to queue behind a held batch: mostly a new
+// one, sometimes under a key already taken, which fails in the batch.
+func (s *simulation) queuedCreate(client *simClient) *simRequest {
+	req := s.newCreate(client)
+	if len(client.requests) == 0 || !s.chance(0.3) {
+		return req
+	}
+	earlier := pick(s, client.requests)
+	if earlier.kind != "create" && earlier.kind != "refund" {
+		return req
+	}
+	req.key = earlier.key
+	s.report.Counts.KeysReused++
+	return sameRequest(client, req)
+}
+
+// sameRequest returns the request client sent before with req's key, path
+// and body, if any (then req is a retry of it), or req.
+func sameRequest(client *simClient, req *simRequest) *simRequest {
+	for _, same := range client.requests {
+		if same.key == req.key && same.path == req.path && same.body == req.body {
+			return same
+		}
+	}
+	return req
+}
+
+// sendRequest has client send req.
+func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *simRequest) error {
 	if len(req.answers) == 0 && req.inFlight == 0 && !containsRequest(client.requests, req) {
 		client.requests = append(client.requests, req)
 	}
 	s.report.Counts.Requests++
 	process := pick(s, s.processes[:2])
+	if s.groupProcess != nil && req.kind == "create" {
+		// The batch being held is this process's.
+		process = s.groupProcess
+	}
 	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
 		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
 	s.sending(action)
@@ -868,13 +1096,7 @@ func (s *simulation) reuseKey(client *simClient) *simRequest {
 		req = s.newCreate(client)
 	}
 	req.key = earlier.key
-	for _, same := range client.requests {
-		if same.key == req.key && same.path == req.path && same.body == req.body {
-			// The very request sent before: a retry.
-			return same
-		}
-	}
-	return req
+	return sameRequest(client, req)
 }
 
 // containsRequest reports whether requests holds req.
@@ -1036,6 +1258,14 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	}
 	if answer.status == http.StatusServiceUnavailable {
 		s.report.Counts.Answers503++
+		if s.network != nil && s.network.maxPages > 0 {
+			s.report.Counts.AnswersFull++
+		}
+		if req.kind == "refund" && !s.quiescing && s.chance(0.5) {
+			// The processor's answer may have been lost after it refunded:
+			// its event may come while our refund is still pending.
+			s.announceOwnRefund(ctx, req)
+		}
 		// A create has nothing transient to wait for but its database. (A
 		// refund may wait for the processor, a webhook for its order's
 		// payment to be recorded.)
@@ -1075,8 +1305,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		// A key is "reused" only while it lives: a day after every answer
 		// given under it, it is free for a new request.
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
-			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && answer.at.Sub(last) >= idempotencyKeyTTL {
-				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, answer.at.Sub(last))
+			// (From when it was sent: a request that waited in a group
+			// commit's queue was decided before its client heard.)
+			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL {
+				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, action.sentAt.Sub(last))
 			}
 		}
 	case "refund":
@@ -1177,8 +1409,20 @@ func (s *simulation) quiesce(ctx context.Context) error {
 	s.tracef("quiesce: no more faults")
 	s.endOutage(s.network)
 	s.endOutage(s.brokerNetwork)
-	for len(s.actions) > 0 {
-		if err := s.resume(ctx, s.actions[0]); err != nil {
+	if err := s.freeDisk(ctx); err != nil {
+		return err
+	}
+	if err := s.releaseGroupCommit(ctx); err != nil {
+		return err
+	}
+	// In turn: a request queued in the group commit waits for the one
+	// that leads its batch.
+	for turn := 0; len(s.actions) > 0; turn++ {
+		if turn == 100*simulationSteps {
+			return s.fail("%d actions never finished, the first %s %s waiting at %s", len(s.actions),
+				s.actions[0].process.name, s.actions[0].what, s.actions[0].waitingAt)
+		}
+		if err := s.resume(ctx, s.actions[turn%len(s.actions)]); err != nil {
 			return err
 		}
 	}

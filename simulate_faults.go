@@ -55,6 +55,12 @@ type simDatabase struct {
 	// loseCommit: the next commit lands, then the connection drops and an
 	// outage begins.
 	loseCommit bool
+	// maxPages, when set, is the file's max_page_count on every
+	// connection: a full disk (see setMaxPages).
+	maxPages int64
+	// processDied: the process running the open transaction died in it;
+	// its commit must not land (the connection closed with it).
+	processDied bool
 	// refused is called each time a call fails for the outage (the
 	// simulator marks the running action with it); commitLost when a
 	// commit landed but its answer was lost.
@@ -116,7 +122,49 @@ func (c *simConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
+	if c.network.maxPages > 0 {
+		// max_page_count is a setting of each connection: a new one
+		// finds the disk as full as the others do.
+		if err := execPragma(ctx, conn, fmt.Sprintf("PRAGMA max_page_count = %d", c.network.maxPages)); err != nil {
+			conn.Close()
+			return nil, err
+		}
+	}
 	return &simConn{conn: conn, network: c.network}, nil
+}
+
+// execPragma runs a PRAGMA on conn, reading the row it returns.
+func execPragma(ctx context.Context, conn driver.Conn, pragma string) error {
+	rows, err := conn.(driver.QueryerContext).QueryContext(ctx, pragma, nil)
+	if err != nil {
+		return fmt.Errorf("%s: %w", pragma, err)
+	}
+	return rows.Close()
+}
+
+// A full disk. SQLite's max_page_count caps the file at a number of
+// pages: set to the pages it has now, any write that needs a new page
+// fails with SQLITE_FULL, and SQLite rolls back the whole transaction (a
+// savepoint cannot keep it). Raised again, the disk has room.
+const (
+	// roomyPages is SQLite's largest max_page_count: no limit.
+	roomyPages = 4294967294
+)
+
+// setMaxPages sets max_page_count on db's connections (the App's write
+// pool is one connection, kept open) and on those network opens later.
+// 0 lifts the cap. It returns the cap set.
+func setMaxPages(ctx context.Context, db *sql.DB, network *simDatabase, pages int64) (int64, error) {
+	setting := pages
+	if setting == 0 {
+		setting = roomyPages
+	}
+	var set int64
+	if err := db.QueryRowContext(ctx, fmt.Sprintf("PRAGMA max_page_count = %d", setting)).Scan(&set); err != nil {
+		return 0, fmt.Errorf("set max_page_count: %w", err)
+	}
+	network.maxPages = pages
+	return set, nil
 }
 
 // Driver returns the SQLite driver.
@@ -230,6 +278,11 @@ func (t *simTx) Commit() error {
 		t.tx.Rollback()
 		return err
 	}
+	if t.conn.network.processDied {
+		t.conn.network.processDied = false
+		t.tx.Rollback()
+		return errCrash
+	}
 	if err := t.tx.Commit(); err != nil {
 		return err
 	}
@@ -247,7 +300,10 @@ func (t *simTx) Commit() error {
 
 // Rollback rolls back on the connection, whatever the network: a dropped
 // connection takes its transaction with it.
-func (t *simTx) Rollback() error { return t.tx.Rollback() }
+func (t *simTx) Rollback() error {
+	t.conn.network.processDied = false
+	return t.tx.Rollback()
+}
 
 // simStmt is a prepared statement on a simConn.
 type simStmt struct {

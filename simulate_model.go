@@ -348,20 +348,38 @@ func refundOutcome(req *simRequest, order *modelOrder) (made bool, low, high int
 			}
 		}
 	}
-	if !mayHaveClaimed(req) {
+	if !refundInDoubt(req) {
 		return false, 0, 0
-	}
-	if last, ok := lastDefinitive(req.answers); ok && !undecided(req) && req.sends == len(req.answers) {
-		kind := problemType(orderField([]byte(last.body), "type"))
-		if kind != problemKeyExpired {
-			return false, 0, 0 // refused, every time it was asked
-		}
 	}
 	var asked refundRequest
 	if err := json.Unmarshal([]byte(req.body), &asked); err == nil && asked.AmountCents != nil {
 		return false, 0, *asked.AmountCents
 	}
 	return false, 0, order.amount
+}
+
+// refundInDoubt reports whether a refund request without a 200 may have
+// made a refund all the same: a send of it went unanswered (a 503, a
+// dropped connection), and no answer since settled that it made none. A
+// refusal of the order or of the amount does (a request that had recorded
+// a refund resumes it instead of checking again), and so does the
+// processor's refusal; a refusal of the key (reused, expired) does not: it
+// says only that the key's life, and its outcome, ended unheard.
+func refundInDoubt(req *simRequest) bool {
+	inDoubt := req.sends > len(req.answers)
+	for _, answer := range req.answers {
+		kind := problemType(orderField([]byte(answer.body), "type"))
+		switch {
+		case answer.status == http.StatusOK:
+			return false
+		case !definitive(answer):
+			inDoubt = true
+		case kind == problemKeyReused, kind == problemKeyExpired:
+		default:
+			inDoubt = false
+		}
+	}
+	return inDoubt
 }
 
 // webhookApplied says whether the dashboard refund event was applied:
@@ -493,14 +511,16 @@ func (m *simModel) judgeRefund(s *simulation, action *simAction, answer simAnswe
 // then the key, sent again after its expiry, is refused as expired.
 func (m *simModel) mayHaveRefundedUnderKey(req *simRequest, at time.Time) bool {
 	for _, other := range m.keys[keyID(req.client.user, req.key)] {
-		if other.kind != "refund" || other.path != req.path || !mayHaveClaimed(other) {
+		if other.kind != "refund" || other.path != req.path {
 			continue
 		}
-		if last, ok := lastDefinitive(other.answers); ok && other.sends == len(other.answers) && !undecided(other) {
-			kind := problemType(orderField([]byte(last.body), "type"))
-			if last.status != http.StatusOK && kind != problemProcessorRefused && kind != problemKeyExpired {
-				continue // refused before any refund was recorded
-			}
+		made, _, _ := refundOutcome(other, &modelOrder{})
+		refused := false
+		for _, answer := range other.answers {
+			refused = refused || problemType(orderField([]byte(answer.body), "type")) == problemProcessorRefused
+		}
+		if !made && !refused && !refundInDoubt(other) && other != req {
+			continue // refused before any refund was recorded
 		}
 		if !at.Before(other.firstSentAt.Add(idempotencyKeyTTL)) {
 			return true
