@@ -1,6 +1,7 @@
 package main
 
 import (
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +16,11 @@ import (
 // scratch, so it takes minutes; CI sets it.
 const mutationsEnv = "RETRYSAFE_MUTATIONS"
 
+// exerciseSeeds is how many seeds the simulator may take to find a mutant
+// named on the command line (go test -run 'TestMutations/NAME' .) without
+// RETRYSAFE_MUTATIONS: as many as CI gives it.
+const exerciseSeeds = 800
+
 // mutation puts one fault back: a fix of retrysafe's own, or a flaw of the
 // article's sample where that is a small, local change. Each edit replaces
 // old with new in file, and old must occur exactly once, so a mutation
@@ -23,6 +29,10 @@ type mutation struct {
 	name  string
 	fault string // what it puts back, as the flaw tables of docs/sample-flaws.md and docs/faults-found.md name it
 	edits []mutationEdit
+	// catcher is the test (a -run pattern, "TestSaga/TimeoutChargesOnce")
+	// that must fail on the mutant, as docs/break-it.md says it does; ""
+	// for a fault that only the simulator finds.
+	catcher string
 }
 
 // mutationEdit is one textual change of a mutation.
@@ -46,29 +56,33 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:  "ExpiredRefundKeyRunsAgain",
-			fault: "retrysafe fault 2: a refund key reused after it expired answers 500 for ever",
+			name:    "ExpiredRefundKeyRunsAgain",
+			catcher: "TestHTTPRefundKeyExpiry/ExpiredKeyReusedIsRefusedNot500",
+			fault:   "retrysafe fault 2: a refund key reused after it expired answers 500 for ever",
 			edits: []mutationEdit{
 				{"refund.go", "\t\tcase err == nil:\n\t\t\treturn refuse(expiredRefundKeyProblem(", "\t\tcase err == nil && false:\n\t\t\treturn refuse(expiredRefundKeyProblem("},
 			},
 		},
 		{
-			name:  "KeyExpiresADayAfterItsClaim",
-			fault: "retrysafe fault 3: a refund that finishes after its key's expiry loses its answer",
+			name:    "KeyExpiresADayAfterItsClaim",
+			catcher: "TestHTTPRefundKeyExpiry/CompleterFinishesRefundAbandonedPastExpiryAt_",
+			fault:   "retrysafe fault 3: a refund that finishes after its key's expiry loses its answer",
 			edits: []mutationEdit{
 				{"idem.go", "response_location = ?, expires_at = ?", "response_location = ?, expires_at = COALESCE(expires_at, ?)"},
 			},
 		},
 		{
-			name:  "AmbiguousNamesAccepted",
-			fault: "retrysafe fault 4: two different requests share one fingerprint",
+			name:    "AmbiguousNamesAccepted",
+			catcher: "TestHTTPWebhookHostile/AmbiguousBodyIsRefused",
+			fault:   "retrysafe fault 4: two different requests share one fingerprint",
 			edits: []mutationEdit{
 				{"orders.go", "func checkNames(body []byte, shape reflect.Type) error {\n", "func checkNames(body []byte, shape reflect.Type) error {\n\tif true {\n\t\treturn nil\n\t}\n"},
 			},
 		},
 		{
-			name:  "WebhookAmountUnchecked",
-			fault: "retrysafe fault 7: a signed charge.refunded can set any amount",
+			name:    "WebhookAmountUnchecked",
+			catcher: "TestHTTPWebhookHostile/RefundAmountBeyondTheChargeIsPoison",
+			fault:   "retrysafe fault 7: a signed charge.refunded can set any amount",
 			// As it was: neither the amount checked against what remains,
 			// nor the refund confirmed by the processor (which alone now
 			// stops a forged amount too).
@@ -78,30 +92,34 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:  "EarlyRefundEventIsPoison",
-			fault: "retrysafe: a refund of a charge the saga has not recorded yet is lost as poison",
+			name:    "EarlyRefundEventIsPoison",
+			catcher: "TestHTTPWebhookHostile/RefundBeforeThePaymentIsRecordedIsRetried",
+			fault:   "retrysafe: a refund of a charge the saga has not recorded yet is lost as poison",
 			edits: []mutationEdit{
 				{"webhook.go", "\tif charged {\n\t\treturn orderRow{}, errPaymentNotRecorded", "\tif charged && false {\n\t\treturn orderRow{}, errPaymentNotRecorded"},
 				{"webhook.go", "\t\tcase err == nil && status == orderCreated:", "\t\tcase err == nil && status == orderCreated && false:"},
 			},
 		},
 		{
-			name:  "UnconfirmedRefundCounted",
-			fault: "retrysafe: a signed event for a refund the processor never made is counted",
+			name:    "UnconfirmedRefundCounted",
+			catcher: "TestHTTPWebhookHostile/OnlyRefundsTheProcessorConfirmsAreCounted",
+			fault:   "retrysafe: a signed event for a refund the processor never made is counted",
 			edits: []mutationEdit{
 				{"webhook.go", "\tif unconfirmed != nil {\n\t\treturn unconfirmed\n\t}", "\t_ = unconfirmed"},
 			},
 		},
 		{
-			name:  "BrokerGivesUpAfterFiveDeliveries",
-			fault: "retrysafe fault 5: the broker gives up on a message after five deliveries (NATS MaxDeliver 5)",
+			name:    "BrokerGivesUpAfterFiveDeliveries",
+			catcher: "TestInbox/OutageDoesNotUseUpDeliveries",
+			fault:   "retrysafe fault 5: the broker gives up on a message after five deliveries (NATS MaxDeliver 5)",
 			edits: []mutationEdit{
 				{"broker.go", "WHERE subscriber = ? AND status = 'pending' AND visible_at <= ?", "WHERE subscriber = ? AND status = 'pending' AND visible_at <= ? AND delivery_count < 5"},
 			},
 		},
 		{
-			name:  "TransientFailureStoredAs500",
-			fault: "sample flaw 5: it stored any exception as a permanent 500",
+			name:    "TransientFailureStoredAs500",
+			catcher: "TestHTTPRefund/LostProcessorResponseIsRetriable",
+			fault:   "sample flaw 5: it stored any exception as a permanent 500",
 			// A lost processor answer is stored on the refund key as the
 			// request's outcome, as the sample stored every exception.
 			edits: []mutationEdit{
@@ -112,36 +130,41 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:  "ExpiresAtNotRead",
-			fault: "sample flaw 4: it wrote expires_at and never read it",
+			name:    "ExpiresAtNotRead",
+			catcher: "TestIdempotency/ExpiredKeyNoLongerReplays",
+			fault:   "sample flaw 4: it wrote expires_at and never read it",
 			edits: []mutationEdit{
 				{"idem.go", "if key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {", "if false && key.ExpiresAt <= formatTime(now) && key.RecoveryPoint == recoveryFinished {"},
 			},
 		},
 		{
-			name:  "StepsInsertedAsDone",
-			fault: "sample flaw 6: it inserted all saga steps as done up front",
+			name:    "StepsInsertedAsDone",
+			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
+			fault:   "sample flaw 6: it inserted all saga steps as done up front",
 			edits: []mutationEdit{
 				{"saga.go", "args = append(args, sagaID, index, name, stepPending)", "args = append(args, sagaID, index, name, stepDone)"},
 			},
 		},
 		{
-			name:  "NoOrderCancelled",
-			fault: "sample flaw 8: it left the order as it was after compensating",
+			name:    "NoOrderCancelled",
+			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
+			fault:   "sample flaw 8: it left the order as it was after compensating",
 			edits: []mutationEdit{
 				{"saga.go", "\treturn insertOutboxEvent(ctx, tx, orderCancelled, now)", "\t_ = orderCancelled\n\treturn nil"},
 			},
 		},
 		{
-			name:  "PaymentCapturedNotConsumed",
-			fault: "sample flaw 11: it wrote PaymentCaptured and nobody consumed it",
+			name:    "PaymentCapturedNotConsumed",
+			catcher: "TestSaga/PaidOrderIsCharged",
+			fault:   "sample flaw 11: it wrote PaymentCaptured and nobody consumed it",
 			edits: []mutationEdit{
 				{"inbox.go", "subjects: []string{eventPaymentCaptured, eventOrderCancelled}", "subjects: []string{eventOrderCancelled}"},
 			},
 		},
 		{
-			name:  "ChargeKeyPerAttempt",
-			fault: "sample: a processor key that differs per attempt (the charge is made again after a lost response)",
+			name:    "ChargeKeyPerAttempt",
+			catcher: "TestSaga/TimeoutChargesOnce",
+			fault:   "sample: a processor key that differs per attempt (the charge is made again after a lost response)",
 			edits: []mutationEdit{
 				{"saga.go", "\treturn sagaID + \":\" + stepChargeCard\n}", "\treturn sagaID + \":\" + stepChargeCard + \":\" + time.Now().String()\n}"},
 			},
@@ -152,15 +175,30 @@ func mutations() []mutation {
 // simulateFailure matches the error simulate prints when a seed fails.
 var simulateFailure = regexp.MustCompile(`seed (\d+) failed at step (\d+): (.*)`)
 
+// namesOneMutant reports whether go test's -run names a subtest of
+// TestMutations: someone breaking one guarantee on purpose, as
+// docs/break-it.md suggests.
+func namesOneMutant() bool {
+	run := flag.Lookup("test.run")
+	return run != nil && strings.Contains(run.Value.String(), "TestMutations/")
+}
+
 // Ensure the simulator finds each fault when it is put back: a simulator
 // that passes with a known fault in place would pass with an unknown one
 // too. Each mutant is a copy of the source with the mutation's edits,
 // built and run with `simulate --seeds N`; it must fail, and the test logs
-// the seed and step that found it.
+// the seed and step that found it. The mutation's catcher, the test that
+// docs/break-it.md says catches it, must fail on the mutant too.
+//
+// It runs with RETRYSAFE_MUTATIONS=<seeds> (CI), or for one mutant named
+// on the command line: go test -run 'TestMutations/ExpiresAtNotRead' .
 func TestMutations(t *testing.T) {
 	setting := os.Getenv(mutationsEnv)
+	if setting == "" && namesOneMutant() {
+		setting = strconv.Itoa(exerciseSeeds)
+	}
 	if setting == "" {
-		t.Skipf("set %s=<seeds> to build each mutant and run the simulator on it (minutes)", mutationsEnv)
+		t.Skipf("set %s=<seeds> to build each mutant and run the simulator on it (minutes), or name one: go test -run 'TestMutations/NAME' .", mutationsEnv)
 	}
 	seeds, err := strconv.Atoi(setting)
 	if err != nil || seeds < 1 {
@@ -174,9 +212,9 @@ func TestMutations(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			dir := t.TempDir()
 			for _, name := range sources {
-				// The program's sources and what it embeds (the schemas,
-				// the console's template); not the tests.
-				if strings.HasSuffix(name, "_test.go") || !(strings.HasSuffix(name, ".go") || strings.HasSuffix(name, ".sql") || strings.HasSuffix(name, ".html") || name == "go.mod" || name == "go.sum") {
+				// The program's sources, what it embeds (the schemas, the
+				// console's template) and the tests, for the catcher.
+				if !(strings.HasSuffix(name, ".go") || strings.HasSuffix(name, ".sql") || strings.HasSuffix(name, ".html") || name == "go.mod" || name == "go.sum") {
 					continue
 				}
 				data, err := os.ReadFile(name)
@@ -211,6 +249,74 @@ func TestMutations(t *testing.T) {
 				t.Fatalf("the mutant failed without a simulator failure: %v\n%s", err, out)
 			}
 			t.Logf("%s: found at seed %s, step %s: %s", m.fault, found[1], found[2], shorten(found[3], 160))
+
+			if m.catcher == "" {
+				t.Logf("%s: only the simulator catches it", m.name)
+				return
+			}
+			caught := exec.Command("go", "test", "-count=1", "-run", anchoredRun(m.catcher), ".")
+			caught.Dir = dir
+			out, err = caught.CombinedOutput()
+			failed := regexp.MustCompile(`(?m)^\s*--- FAIL: (`+regexp.QuoteMeta(m.catcher)+`\S*)`).FindAllStringSubmatch(string(out), -1)
+			if err == nil || len(failed) == 0 {
+				t.Fatalf("%s: %s does not fail on the mutant (%v)\n%s", m.name, m.catcher, err, shorten(string(out), 4000))
+			}
+			for _, f := range failed {
+				t.Logf("caught by %s", f[1])
+			}
 		})
+	}
+}
+
+// anchoredRun turns "TestSaga/TimeoutChargesOnce" into the -run pattern
+// that selects that test and its subtests only: "^TestSaga$/^TimeoutChargesOnce".
+// The last part stays open at its end, so "CrashAt_" selects every crash
+// point.
+func anchoredRun(test string) string {
+	parts := strings.Split(test, "/")
+	for i, part := range parts {
+		parts[i] = "^" + part
+		if i < len(parts)-1 {
+			parts[i] += "$"
+		}
+	}
+	return strings.Join(parts, "/")
+}
+
+// Ensure docs/break-it.md lists every mutant as an exercise: its name (the
+// command that runs it), the file its edit is in, and the test that
+// TestMutations checks fails on it.
+func TestDocsBreakItListsEveryMutant(t *testing.T) {
+	page, err := os.ReadFile("docs/break-it.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, mutants, found := strings.Cut(string(page), "\n## Put one fault back\n")
+	if !found {
+		t.Fatal("docs/break-it.md has no section \"Put one fault back\"")
+	}
+	rows := map[string]string{}
+	for _, line := range strings.Split(mutants, "\n") {
+		if name := regexp.MustCompile("^\\| `([A-Za-z0-9]+)` \\|").FindStringSubmatch(line); name != nil {
+			rows[name[1]] = line
+		}
+	}
+	for _, m := range mutations() {
+		row, ok := rows[m.name]
+		if !ok {
+			t.Errorf("docs/break-it.md has no row for the mutant %s", m.name)
+			continue
+		}
+		catcher := "`" + m.catcher + "`"
+		if m.catcher == "" {
+			catcher = "the simulator only"
+		}
+		if !strings.Contains(row, "`"+m.edits[0].file+"`") || !strings.Contains(row, catcher) {
+			t.Errorf("docs/break-it.md's row for %s names another file or test than %s and %s:\n%s", m.name, m.edits[0].file, catcher, row)
+		}
+		delete(rows, m.name)
+	}
+	for name := range rows {
+		t.Errorf("docs/break-it.md lists %s, which is no mutant", name)
 	}
 }
