@@ -27,8 +27,9 @@
 // ids come from the seed, and nothing iterates over a map, so a seed gives
 // the same run, byte for byte.
 //
-// After every step the in-flight invariants of check must hold and every
-// answer a client got must be possible; at the end faults stop, clients
+// Every answer a client gets is judged at once against a reference model
+// of what that request must get (simulate_model.go). After every step the
+// in-flight invariants of check must hold; at the end faults stop, clients
 // retry what they never got an answer to, workers run until quiet, and the
 // full check and the clients' view must hold.
 
@@ -1643,10 +1644,14 @@ virtual clients (new requests, retries, concurrent duplicates, keys reused
 after expiry, refunds, hostile bodies, signed webhooks), workers under
 leases, process crashes, pauses past a lease, clock jumps, lost processor
 responses, database outages (on SQLite; one may begin inside a transaction,
-or just after a commit, whose answer is then lost), and a broker that
-delivers a batch out of order, loses acks and gets publishes twice. After every step the in-flight invariants of check must hold; at
-the end the system is made quiet and the full check and every answer the
-clients got are checked.
+or just after a commit, whose answer is then lost), a full disk, group
+commits of several members, consumers that fail, orders of several items,
+keys reused on another route, our own refunds announced in flight, and a
+broker that delivers a batch out of order, loses acks and gets publishes
+twice. Every answer is judged, as it is given, against a reference model
+of what the request must get; after every step the in-flight invariants
+of check must hold; at the end the system is made quiet and the full
+check, each order's fate and every answer the clients got are checked.
 
 The same seed gives the same run, byte for byte: a failure prints its seed
 and step, and 'retrysafe simulate --seed N --trace' replays it.`,
