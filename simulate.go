@@ -988,12 +988,20 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		req = pick(s, recent)
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
-		orderID := pick(s, client.orders)
+		// Mostly one of the older orders, which have had time to be paid.
+		orderID := pick(s, client.orders[:(len(client.orders)+1)/2])
 		if other := pick(s, s.clients); other.user != client.user && len(other.orders) > 0 && s.chance(0.15) {
 			// Another user's order: 404, as for one that does not exist.
 			orderID = pick(s, other.orders)
 		}
 		req = s.newRefund(client, orderID)
+		if s.chance(0.3) {
+			// Two refunds of one order at once, under two keys: together
+			// they may not exceed it.
+			if err := s.sendRequest(ctx, client, s.newRefund(client, orderID)); err != nil {
+				return err
+			}
+		}
 	case roll < 82:
 		req = s.reuseKey(client)
 	case roll < 90:
