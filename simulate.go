@@ -29,8 +29,9 @@
 // ids come from the seed, and nothing iterates over a map, so a seed gives
 // the same run, byte for byte.
 //
-// After every step the in-flight invariants of check must hold and every
-// answer a client got must be possible; at the end faults stop, clients
+// Every answer a client gets is judged at once against a reference model
+// of what that request must get (simulate_model.go). After every step the
+// in-flight invariants of check must hold; at the end faults stop, clients
 // retry what they never got an answer to, workers run until quiet, and the
 // full check and the clients' view must hold.
 
@@ -993,12 +994,20 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		req = pick(s, recent)
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
-		orderID := pick(s, client.orders)
+		// Mostly one of the older orders, which have had time to be paid.
+		orderID := pick(s, client.orders[:(len(client.orders)+1)/2])
 		if other := pick(s, s.clients); other.user != client.user && len(other.orders) > 0 && s.chance(0.15) {
 			// Another user's order: 404, as for one that does not exist.
 			orderID = pick(s, other.orders)
 		}
 		req = s.newRefund(client, orderID)
+		if s.chance(0.3) {
+			// Two refunds of one order at once, under two keys: together
+			// they may not exceed it.
+			if err := s.sendRequest(ctx, client, s.newRefund(client, orderID)); err != nil {
+				return err
+			}
+		}
 	case roll < 82:
 		req = s.reuseKey(client)
 	case roll < 90:
@@ -1656,10 +1665,14 @@ after expiry, refunds, hostile bodies, signed webhooks), workers under
 leases, process crashes, pauses past a lease, clock jumps, lost processor
 responses, database outages (one may begin inside a transaction, or just
 after a commit, whose answer is then lost; on PostgreSQL also backends
-terminated mid-transaction and serialization failures), and a broker that
-delivers a batch out of order, loses acks and gets publishes twice. After every step the in-flight invariants of check must hold; at
-the end the system is made quiet and the full check and every answer the
-clients got are checked.
+terminated mid-transaction and serialization failures), a full disk, group
+commits of several members, consumers that fail, orders of several items,
+keys reused on another route, our own refunds announced in flight, and a
+broker that delivers a batch out of order, loses acks and gets publishes
+twice. Every answer is judged, as it is given, against a reference model
+of what the request must get; after every step the in-flight invariants
+of check must hold; at the end the system is made quiet and the full
+check, each order's fate and every answer the clients got are checked.
 
 The same seed gives the same run, byte for byte: a failure prints its seed
 and step, and 'retrysafe simulate --seed N --trace' replays it.`,

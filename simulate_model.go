@@ -475,7 +475,9 @@ func (m *simModel) judgeRefund(s *simulation, action *simAction, answer simAnswe
 		}
 		order.leftCreated = true
 	case kind == problemRefundTooLarge:
-		if !mayBePaid || need <= order.amount-b.ourMax {
+		// An order certainly refunded in full is no longer paid: it is
+		// refused as not refundable before any amount is looked at.
+		if !mayBePaid || need <= order.amount-b.ourMax || b.ourMin >= order.amount {
 			return refuse("a refund that fits was refused as too large")
 		}
 		order.leftCreated = true
