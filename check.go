@@ -155,7 +155,7 @@ func invariants(d *dialect) []invariant {
 			      END`},
 		{name: "a paid or refunded order was charged its amount, once", query: `
 			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' ' || o.currency || ' but its charge ' ||
-			       o.charge_id || ' is ' || COALESCE(c.status || ' ' || c.amount_cents || ' ' || c.currency || ' of ' || c.order_id, 'unknown to the processor')
+			       COALESCE(o.charge_id, 'none') || ' is ' || COALESCE(c.status || ' ' || c.amount_cents || ' ' || c.currency || ' of ' || c.order_id, 'unknown to the processor')
 			FROM orders o LEFT JOIN processor_charges c ON c.charge_id = o.charge_id
 			WHERE o.status IN ('paid', 'refunded')
 			  AND (c.charge_id IS NULL OR c.status <> 'succeeded' OR c.order_id <> o.order_id
