@@ -155,7 +155,7 @@ func invariants(d *dialect) []invariant {
 			      END`},
 		{name: "a paid or refunded order was charged its amount, once", query: `
 			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' ' || o.currency || ' but its charge ' ||
-			       COALESCE(o.charge_id, '(none)') || ' is ' || COALESCE(c.status || ' ' || c.amount_cents || ' ' || c.currency || ' of ' || c.order_id, 'unknown to the processor')
+			       COALESCE(o.charge_id, 'none') || ' is ' || COALESCE(c.status || ' ' || c.amount_cents || ' ' || c.currency || ' of ' || c.order_id, 'unknown to the processor')
 			FROM orders o LEFT JOIN processor_charges c ON c.charge_id = o.charge_id
 			WHERE o.status IN ('paid', 'refunded')
 			  AND (c.charge_id IS NULL OR c.status <> 'succeeded' OR c.order_id <> o.order_id
@@ -174,7 +174,7 @@ func invariants(d *dialect) []invariant {
 			WHERE o.status = 'cancelled' AND r.status = 'reserved'`},
 		{name: "a refund is of a paid or refunded order, and with those in flight never exceeds it", query: `
 			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' with refunds pending or made of ' ||
-			       COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded')), 0)
+			       (SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded'))
 			FROM orders o
 			WHERE EXISTS (SELECT 1 FROM refunds r WHERE r.order_id = o.order_id)
 			  AND (o.status NOT IN ('paid', 'refunded')
