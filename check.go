@@ -174,7 +174,7 @@ func invariants(d *dialect) []invariant {
 			WHERE o.status = 'cancelled' AND r.status = 'reserved'`},
 		{name: "a refund is of a paid or refunded order, and with those in flight never exceeds it", query: `
 			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' with refunds pending or made of ' ||
-			       (SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded'))
+			       COALESCE((SELECT SUM(r.amount_cents) FROM refunds r WHERE r.order_id = o.order_id AND r.status IN ('pending', 'succeeded')), 0)
 			FROM orders o
 			WHERE EXISTS (SELECT 1 FROM refunds r WHERE r.order_id = o.order_id)
 			  AND (o.status NOT IN ('paid', 'refunded')
