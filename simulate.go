@@ -1219,9 +1219,7 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	}
 	req := s.newRefundEvent(client, n, kind, chargeID, refundID, orderID, refundAmount)
 	if req != nil && kind == "dashboard" {
-		if order, ok := s.model.orders[orderID]; ok {
-			order.dashboard = append(order.dashboard, req)
-		}
+		s.model.dashboard[orderID] = append(s.model.dashboard[orderID], req)
 	}
 	return req
 }

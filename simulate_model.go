@@ -53,6 +53,9 @@ type simModel struct {
 	// stocked is what the warehouse holds of each sku; demand what every
 	// create sent so far may take of it.
 	stocked, demand map[string]int64
+	// dashboard are the refunds made at the processor's dashboard, by
+	// order id (an order may be told of only after its refund was made).
+	dashboard map[string][]*simRequest
 }
 
 // modelOrder is what the model knows of one order.
@@ -64,17 +67,16 @@ type modelOrder struct {
 	card        string
 	createdBy   *simRequest
 	leftCreated bool // some answer showed its payment settled
-	// dashboard are the refunds made at the processor's dashboard.
-	dashboard []*simRequest
 }
 
 // newSimModel returns an empty model of the warehouse in schema.sql.
 func newSimModel() *simModel {
 	return &simModel{
-		keys:    map[string][]*simRequest{},
-		orders:  map[string]*modelOrder{},
-		stocked: map[string]int64{"sku-1": 1000, "sku-2": 1000, "sku-rare": 1},
-		demand:  map[string]int64{},
+		keys:      map[string][]*simRequest{},
+		orders:    map[string]*modelOrder{},
+		stocked:   map[string]int64{"sku-1": 1000, "sku-2": 1000, "sku-rare": 1},
+		demand:    map[string]int64{},
+		dashboard: map[string][]*simRequest{},
 	}
 }
 
@@ -322,7 +324,7 @@ func (m *simModel) bounds(s *simulation, order *modelOrder, except *simRequest) 
 			b.processorMax += high
 		}
 	}
-	for _, event := range order.dashboard {
+	for _, event := range m.dashboard[order.id] {
 		b.processorMin += event.refundAmount
 		b.processorMax += event.refundAmount
 		switch webhookApplied(event) {
