@@ -210,6 +210,9 @@ func TestMutations(t *testing.T) {
 	}
 	for _, m := range mutations() {
 		t.Run(m.name, func(t *testing.T) {
+			// Each mutant is its own build and simulator process, most of
+			// it on one core: run as many at once as go test's -parallel.
+			t.Parallel()
 			dir := t.TempDir()
 			for _, name := range sources {
 				// The program's sources, what it embeds (the schemas, the
