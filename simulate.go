@@ -1205,7 +1205,10 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	refundID := fmt.Sprintf("re_sim_%d", n)
 	refundAmount := pick(s, []int64{1, amount - refunded, amount - refunded + 1, 1 << 62})
 	kind := "made-up"
-	if refundAmount > 0 && refundAmount <= amount-refunded {
+	// Sometimes a forged event: signed, of an amount that fits, naming a
+	// refund the processor never made. Only asking the processor tells.
+	forged := s.chance(0.15)
+	if refundAmount > 0 && refundAmount <= amount-refunded && !forged {
 		// Made at the processor's dashboard: the processor's ledger has it
 		// before the event is sent.
 		refundID, err = s.app.processor.refund(ctx, fmt.Sprintf("dashboard:%d", n), chargeID, refundAmount)
