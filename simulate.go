@@ -571,9 +571,12 @@ func (s *simulation) freeDisk(ctx context.Context) error {
 		return nil
 	}
 	if s.network.down {
-		// The cap goes with the connection the outage closed.
-		s.network.maxPages = 0
-	} else if _, err := setMaxPages(ctx, s.app.db, s.network, 0); err != nil {
+		// Not yet: a connection that made no call during the outage is
+		// still open, and still capped. The disk gets room on the first
+		// step after the outage.
+		return nil
+	}
+	if _, err := setMaxPages(ctx, s.app.db, s.network, 0); err != nil {
 		return err
 	}
 	s.tracef("the disk has room again")
