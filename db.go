@@ -482,6 +482,10 @@ func inSavepoint(ctx context.Context, tx *sql.Tx, name string, fn func() error) 
 	failed = fn()
 	if failed != nil {
 		if _, err := tx.ExecContext(ctx, `ROLLBACK TO `+name); err != nil {
+			// The connection went away: that is what the caller must see.
+			if isDatabaseUnavailable(err) {
+				return failed, fmt.Errorf("rollback to savepoint after %v: %w", failed, err)
+			}
 			// SQLite already rolled the whole transaction back (a full
 			// disk, SQLITE_FULL): the cause, not the missing savepoint,
 			// says the failure is transient.
