@@ -266,6 +266,8 @@ type simulation struct {
 	model *simModel
 	// diskFullUntil is the step the full disk ends at (see fillDisk).
 	diskFullUntil int
+	// onPostgres is set when the App's database is a PostgreSQL server.
+	onPostgres bool
 	// groupProcess is the process whose group commit holds a batch, until
 	// step groupReleaseAt (see holdGroupCommit).
 	groupProcess   *simProcess
@@ -513,7 +515,7 @@ func (s *simulation) oneStep(ctx context.Context) error {
 			return err
 		}
 	}
-	if s.network != nil && s.network.maxPages > 0 && s.step >= s.diskFullUntil {
+	if s.network != nil && s.network.diskFull && s.step >= s.diskFullUntil {
 		if err := s.freeDisk(ctx); err != nil {
 			return err
 		}
@@ -549,7 +551,14 @@ func (s *simulation) oneStep(ctx context.Context) error {
 // with SQLITE_FULL and takes its whole transaction down; every request
 // must still get one answer (503), and nothing may be lost.
 func (s *simulation) fillDisk(ctx context.Context) error {
-	if s.network.down || s.network.maxPages > 0 {
+	if s.network.down || s.network.diskFull {
+		return nil
+	}
+	if s.onPostgres {
+		s.network.diskFull = true
+		s.diskFullUntil = s.step + 2 + s.rng.IntN(15)
+		s.report.Counts.FullDisks++
+		s.tracef("the server's disk is full until step %d", s.diskFullUntil)
 		return nil
 	}
 	var pages int64
@@ -567,7 +576,12 @@ func (s *simulation) fillDisk(ctx context.Context) error {
 
 // freeDisk gives the disk room again.
 func (s *simulation) freeDisk(ctx context.Context) error {
-	if s.network == nil || s.network.maxPages == 0 {
+	if s.network == nil || !s.network.diskFull {
+		return nil
+	}
+	if s.onPostgres {
+		s.network.diskFull = false
+		s.tracef("the server's disk has room again")
 		return nil
 	}
 	if s.network.down {
@@ -846,7 +860,7 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 				s.clock.now().Sub(action.suspendedAt), action.waitingAt)
 		}
 	}
-	if s.network != nil && s.network.maxPages > 0 {
+	if s.network != nil && s.network.diskFull {
 		// A write of it, or of a batch it leads, may fail for the full
 		// disk, as for an outage.
 		action.sawOutage = true
@@ -1271,7 +1285,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	}
 	if answer.status == http.StatusServiceUnavailable {
 		s.report.Counts.Answers503++
-		if s.network != nil && s.network.maxPages > 0 {
+		if s.network != nil && s.network.diskFull {
 			s.report.Counts.AnswersFull++
 		}
 		if req.kind == "refund" && !s.quiescing && s.chance(0.5) {

@@ -55,8 +55,11 @@ type simDatabase struct {
 	// loseCommit: the next commit lands, then the connection drops and an
 	// outage begins.
 	loseCommit bool
-	// maxPages, when set, is the file's max_page_count on every
-	// connection: a full disk (see setMaxPages).
+	// diskFull: the disk has no room (see fillDisk). On SQLite, maxPages
+	// is then the file's max_page_count on every connection (see
+	// setMaxPages); on PostgreSQL the server fails each write with
+	// disk_full (simPostgresConn.diskFull).
+	diskFull bool
 	maxPages int64
 	// processDied: the process running the open transaction died in it;
 	// its commit must not land (the connection closed with it).
@@ -164,6 +167,7 @@ func setMaxPages(ctx context.Context, db *sql.DB, network *simDatabase, pages in
 		return 0, fmt.Errorf("set max_page_count: %w", err)
 	}
 	network.maxPages = pages
+	network.diskFull = pages > 0
 	return set, nil
 }
 

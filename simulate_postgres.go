@@ -141,6 +141,7 @@ func (s *simulation) openPostgresApp(ctx context.Context, rawURL string, ids fun
 	}
 	server := rebindConnector{stdlib.GetConnector(*config)}
 	s.direct = direct
+	s.onPostgres = true
 	s.network = s.newNetwork("the database")
 	s.brokerNetwork = s.newNetwork("the broker")
 	db := s.openPostgresPool(server, s.network, s.postgresFault)
@@ -263,6 +264,9 @@ func (c *simPostgresConn) ExecContext(ctx context.Context, query string, args []
 	if err := c.beforeStatement(ctx, query); err != nil {
 		return nil, err
 	}
+	if err := c.diskFull(ctx, query); err != nil {
+		return nil, err
+	}
 	result, err := c.rebindConn.ExecContext(ctx, query, args)
 	return result, c.seen(err)
 }
@@ -279,6 +283,9 @@ func (c *simPostgresConn) QueryContext(ctx context.Context, query string, args [
 		}
 	}
 	if err := c.beforeStatement(ctx, query); err != nil {
+		return nil, err
+	}
+	if err := c.diskFull(ctx, query); err != nil {
 		return nil, err
 	}
 	rows, err := c.rebindConn.QueryContext(ctx, query, args)
@@ -307,6 +314,42 @@ func (c *simPostgresConn) beforeStatement(ctx context.Context, query string) err
 		return c.conflict(ctx, "a statement")
 	}
 	return nil
+}
+
+// diskFull fails a write while the server's disk is full, as the server
+// does when it cannot extend a file: with disk_full (53100), which aborts
+// the transaction it is in. Reads still run.
+func (c *simPostgresConn) diskFull(ctx context.Context, query string) error {
+	if !c.s.network.diskFull || c.terminated || !isWriteStatement(query) {
+		return nil
+	}
+	if c.inTx && c.Conn.Conn().PgConn().TxStatus() != 'T' {
+		return nil
+	}
+	const raise = `DO $$ BEGIN RAISE EXCEPTION 'simulated: could not extend file: No space left on device' USING ERRCODE = '` + pgDiskFull + `'; END $$`
+	_, err := c.rebindConn.ExecContext(ctx, raise, nil)
+	if postgresCode(err) != pgDiskFull {
+		return fmt.Errorf("simulator: raise %s: got %v", pgDiskFull, err)
+	}
+	if action := c.s.current; action != nil {
+		c.s.tracef("a%d %s: the server fails a write for the full disk", action.id, action.process.name)
+	}
+	return err
+}
+
+// pgDiskFull is the server's disk_full; isDatabaseUnavailable knows its
+// class, 53.
+const pgDiskFull = "53100"
+
+// isWriteStatement reports whether query writes rows: INSERT, UPDATE or
+// DELETE (a WITH that writes is not used by the App).
+func isWriteStatement(query string) bool {
+	word, _, _ := strings.Cut(strings.TrimSpace(query), " ")
+	switch strings.ToUpper(word) {
+	case "INSERT", "UPDATE", "DELETE":
+		return true
+	}
+	return false
 }
 
 // isSavepointCommand reports whether query is SAVEPOINT, RELEASE or
