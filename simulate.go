@@ -598,10 +598,17 @@ func (s *simulation) freeDisk(ctx context.Context) error {
 }
 
 // jumpClock moves the clock: mostly a little, sometimes past every lease,
-// rarely past a key's expiry.
+// rarely past a key's expiry; but as often as not past the expiry while a
+// refund is left unfinished (its answer lost, its process crashed): the
+// completer may then finish it only after its key's first day has passed,
+// and the client that comes back must still get its answer.
 func (s *simulation) jumpClock() {
 	var d time.Duration
-	switch roll := s.rng.IntN(100); {
+	roll := s.rng.IntN(100)
+	if roll >= 50 && s.refundUnfinished() {
+		roll = 85
+	}
+	switch {
 	case roll < 50:
 		d = time.Duration(1+s.rng.IntN(3000)) * time.Millisecond
 	case roll < 85:
@@ -612,6 +619,14 @@ func (s *simulation) jumpClock() {
 	s.clock.advance(d)
 	s.report.Counts.ClockJumps++
 	s.tracef("clock +%s", d)
+}
+
+// refundUnfinished reports whether a refund is still pending, read from
+// the handle no fault reaches.
+func (s *simulation) refundUnfinished() bool {
+	var pending bool
+	err := s.direct.QueryRow(`SELECT EXISTS (SELECT 1 FROM refunds WHERE status = 'pending')`).Scan(&pending)
+	return err == nil && pending
 }
 
 // crash kills process: every action it was running returns errCrash from
@@ -1495,8 +1510,9 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		if !busy {
 			break
 		}
-		// Past every lease and backoff.
-		s.clock.advance(2 * time.Minute)
+		// Past every lease and backoff: a round with nothing due must mean
+		// nothing is left, not that it waits for a later time.
+		s.clock.advance(s.pastEveryWait())
 	}
 	violations, err := s.auditor.audit(ctx, s.clock.now(), true)
 	if err != nil {
@@ -1509,6 +1525,20 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		return s.fail("once quiet, invariant broken: %s: %s", v.Invariant, v.Detail)
 	}
 	return s.checkClientsAgainstDatabase(ctx)
+}
+
+// pastEveryWait is a time longer than any lease or backoff of the App: the
+// longest wait of the relay, of a consumer's redelivery and of a saga (each
+// backoff at its cap, which a millionth failure has reached), and every
+// lease; plus a minute.
+func (s *simulation) pastEveryWait() time.Duration {
+	const capped = 1 << 20
+	leases := s.app.leases
+	return time.Minute + max(
+		relayBackoff(leases.publishBackoff, capped),
+		consumeBackoff(capped),
+		sagaBackoff(capped),
+		leases.relay, leases.ackWait, leases.saga, leases.refundLock)
 }
 
 // refusedOnPurpose reports whether v is the poison record of an event the

@@ -24,7 +24,7 @@ import (
 )
 
 // simulationSeedsEnv names the variable that sets how many seeds
-// TestSimulation runs; CI runs 1800 (.ci/run).
+// TestSimulation runs; CI runs 2000 (.ci/run).
 const simulationSeedsEnv = "RETRYSAFE_SIM_SEEDS"
 
 // simulationSeedsPostgresEnv sets how many seeds TestSimulation runs when
