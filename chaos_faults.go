@@ -123,7 +123,16 @@ func (c *chaosClock) now() time.Time {
 // jump moves every process's clock forward by d and returns once every
 // process that is running reads the new time. A paused process reads it as
 // soon as it wakes up.
-func (c *chaosClock) jump(d time.Duration) error {
+func (c *chaosClock) jump(d time.Duration) error { return c.move(d, true) }
+
+// advance moves every process's clock forward by d, as jump does, without
+// counting a jump: d is far short of idempotencyKeyTTL, so no key expires.
+func (c *chaosClock) advance(d time.Duration) error { return c.move(d, false) }
+
+// move writes the clock d further on and waits until every running process
+// has read it (within clockFileRefresh); a counted jump is counted in jumps
+// while it settles and in settled once it has.
+func (c *chaosClock) move(d time.Duration, counted bool) error {
 	c.stamping.Lock()
 	defer c.stamping.Unlock()
 	c.mu.Lock()
@@ -134,12 +143,16 @@ func (c *chaosClock) jump(d time.Duration) error {
 	}
 	c.mu.Lock()
 	c.offset = offset
-	c.jumps++
+	if counted {
+		c.jumps++
+	}
 	c.mu.Unlock()
 	time.Sleep(4 * clockFileRefresh)
-	c.mu.Lock()
-	c.settled++
-	c.mu.Unlock()
+	if counted {
+		c.mu.Lock()
+		c.settled++
+		c.mu.Unlock()
+	}
 	return nil
 }
 
@@ -328,9 +341,92 @@ func withApplicationName(dbURL, name string) (string, error) {
 type privateNATS struct {
 	binary, addr, storeDir string
 	log                    io.Writer
-	mu                     sync.Mutex
-	cmd                    *exec.Cmd
-	done                   chan struct{}
+	serverProcess
+}
+
+// serverProcess is a server a chaos run started for itself (a nats-server)
+// and may stop, kill or pause.
+type serverProcess struct {
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// run starts cmd and waits until addr accepts connections; name names the
+// server in errors.
+func (p *serverProcess) run(ctx context.Context, cmd *exec.Cmd, addr, name string) error {
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start %s: %w", cmd.Path, err)
+	}
+	done := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(done)
+	}()
+	p.mu.Lock()
+	p.cmd, p.done = cmd, done
+	p.mu.Unlock()
+	for {
+		if conn, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+			conn.Close()
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s on %s did not start: %w", name, addr, ctx.Err())
+		case <-done:
+			return fmt.Errorf("%s on %s exited at start (see the process log)", name, addr)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// stop shuts the server down (SIGTERM, as an operator's restart does; a
+// paused one is continued first), or kills it if it has not within 10 s,
+// and waits for it to be gone.
+func (p *serverProcess) stop() {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	cmd.Process.Signal(syscall.SIGCONT)
+	cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cmd.Process.Kill()
+		<-done
+	}
+}
+
+// kill sends SIGKILL and waits for the process to be gone: nothing it had
+// not written reaches its files.
+func (p *serverProcess) kill() {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	cmd.Process.Kill()
+	<-done
+}
+
+// pause stops the process with SIGSTOP for d, then continues it.
+func (p *serverProcess) pause(ctx context.Context, d time.Duration) {
+	p.mu.Lock()
+	cmd := p.cmd
+	p.mu.Unlock()
+	if cmd == nil || cmd.Process.Signal(syscall.SIGSTOP) != nil {
+		return
+	}
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+	cmd.Process.Signal(syscall.SIGCONT)
 }
 
 // startPrivateNATS starts binary with JetStream on a free loopback port,
@@ -353,48 +449,7 @@ func (n *privateNATS) start(ctx context.Context) error {
 	host, port, _ := strings.Cut(n.addr, ":")
 	cmd := exec.Command(n.binary, "-a", host, "-p", port, "-js", "-sd", n.storeDir)
 	cmd.Stdout, cmd.Stderr = n.log, n.log
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", n.binary, err)
-	}
-	done := make(chan struct{})
-	go func() {
-		cmd.Wait()
-		close(done)
-	}()
-	n.mu.Lock()
-	n.cmd, n.done = cmd, done
-	n.mu.Unlock()
-	for {
-		if conn, err := net.DialTimeout("tcp", n.addr, time.Second); err == nil {
-			conn.Close()
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("nats-server on %s did not start: %w", n.addr, ctx.Err())
-		case <-done:
-			return fmt.Errorf("nats-server on %s exited at start (see the process log)", n.addr)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
-// stop shuts the server down (SIGTERM, as an operator's restart does) and
-// waits for it to be gone.
-func (n *privateNATS) stop() {
-	n.mu.Lock()
-	cmd, done := n.cmd, n.done
-	n.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		cmd.Process.Kill()
-		<-done
-	}
+	return n.run(ctx, cmd, n.addr, "nats-server")
 }
 
 // restart stops the server, leaves it down for down, and starts it again on

@@ -25,14 +25,12 @@ import (
 	"io"
 	"io/fs"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -67,10 +65,7 @@ type natsNode struct {
 	dir, config string
 	binary      string
 	log         io.Writer
-
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
+	serverProcess
 }
 
 // natsCluster is the nats-server processes a chaos run started for itself
@@ -219,76 +214,7 @@ func (c *natsCluster) stop() {
 func (n *natsNode) start(ctx context.Context) error {
 	cmd := exec.Command(n.binary, "-c", n.config)
 	cmd.Stdout, cmd.Stderr = n.log, n.log
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", n.binary, err)
-	}
-	done := make(chan struct{})
-	go func() {
-		cmd.Wait()
-		close(done)
-	}()
-	n.mu.Lock()
-	n.cmd, n.done = cmd, done
-	n.mu.Unlock()
-	for {
-		if conn, err := net.DialTimeout("tcp", n.clientAddr, time.Second); err == nil {
-			conn.Close()
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("nats-server %s on %s did not start: %w", n.name, n.clientAddr, ctx.Err())
-		case <-done:
-			return fmt.Errorf("nats-server %s on %s exited at start (see the process log)", n.name, n.clientAddr)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
-// kill sends SIGKILL and waits for the process to be gone: nothing it had
-// not written reaches its files.
-func (n *natsNode) kill() {
-	n.mu.Lock()
-	cmd, done := n.cmd, n.done
-	n.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	cmd.Process.Kill()
-	<-done
-}
-
-// stop shuts the node down (SIGTERM), or kills it if it has not within 10s.
-func (n *natsNode) stop() {
-	n.mu.Lock()
-	cmd, done := n.cmd, n.done
-	n.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	cmd.Process.Signal(syscall.SIGCONT)
-	cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		cmd.Process.Kill()
-		<-done
-	}
-}
-
-// pause stops the node with SIGSTOP for d, then continues it.
-func (n *natsNode) pause(ctx context.Context, d time.Duration) {
-	n.mu.Lock()
-	cmd := n.cmd
-	n.mu.Unlock()
-	if cmd == nil || cmd.Process.Signal(syscall.SIGSTOP) != nil {
-		return
-	}
-	select {
-	case <-ctx.Done():
-	case <-time.After(d):
-	}
-	cmd.Process.Signal(syscall.SIGCONT)
+	return n.run(ctx, cmd, n.clientAddr, "nats-server "+n.name)
 }
 
 // streamCluster returns the stream's raft group, its leader and its

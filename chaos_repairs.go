@@ -296,25 +296,6 @@ func (p *chaosProcess) unbench(binary string) error {
 	return p.start(binary)
 }
 
-// advance moves every process's clock forward by d, as jump does, without
-// counting a jump: d is far short of idempotencyKeyTTL, so no key expires.
-func (c *chaosClock) advance(d time.Duration) error {
-	c.stamping.Lock()
-	defer c.stamping.Unlock()
-	c.mu.Lock()
-	offset := c.offset + d
-	c.mu.Unlock()
-	if err := c.write(offset); err != nil {
-		return err
-	}
-	c.mu.Lock()
-	c.offset = offset
-	c.mu.Unlock()
-	// Every running process reads the file within clockFileRefresh.
-	time.Sleep(4 * clockFileRefresh)
-	return nil
-}
-
 // runSetAsideWindow replaces benched (the run's relays, or its workers) by
 // setAside, a --set-aside process, for window while every clock runs
 // ahead, then brings them back.
