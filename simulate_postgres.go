@@ -320,7 +320,7 @@ func (c *simPostgresConn) beforeStatement(ctx context.Context, query string) err
 // does when it cannot extend a file: with disk_full (53100), which aborts
 // the transaction it is in. Reads still run.
 func (c *simPostgresConn) diskFull(ctx context.Context, query string) error {
-	if !c.s.network.diskFull || c.terminated || !isWriteStatement(query) {
+	if c.s.network == nil || !c.s.network.diskFull || c.terminated || !isWriteStatement(query) {
 		return nil
 	}
 	if c.inTx && c.Conn.Conn().PgConn().TxStatus() != 'T' {
