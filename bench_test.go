@@ -497,8 +497,8 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // client POSTs an order and waits until it is paid, then sends the next.
 // It reports orders/s until every order is final, the p50 and p99 of
 // POST -> paid, and what the orders cost the database: commits, rows
-// written and statements per order, with the breakdown of where the
-// commits go in the log (commitMeter). With RETRYSAFE_TEST_NATS set, the broker is NATS
+// written and statements per order, with where the commits go in the log
+// (commitMeter). With RETRYSAFE_TEST_NATS set, the broker is NATS
 // JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
 // with pools, listeners and broker connections of their own, in this test
 // process) side by side, the clients spread over their APIs: scaling out.
