@@ -392,7 +392,9 @@ func BenchmarkReplayHTTP(b *testing.B) {
 // take the API's connection.
 type finalWatcher struct {
 	db *sql.DB
-	mu sync.Mutex
+	// polls counts its queries: on PostgreSQL each is a transaction.
+	polls atomic.Int64
+	mu    sync.Mutex
 	// waiting maps an order id to where its final time goes.
 	waiting map[string]chan time.Time
 }
@@ -449,6 +451,7 @@ func (w *finalWatcher) run(ctx context.Context, tb testing.TB) {
 		if len(ids) == 0 {
 			continue
 		}
+		w.polls.Add(1)
 		rows, err := w.db.QueryContext(ctx, `
 			SELECT order_id, updated_at FROM orders
 			WHERE status IN ('paid', 'cancelled') AND order_id IN (`+placeholders(len(ids))+`)`, ids...)
@@ -492,8 +495,10 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 
 // BenchmarkEndToEnd is the whole way of an order through serve: each
 // client POSTs an order and waits until it is paid, then sends the next.
-// It reports orders/s until every order is final, and the p50 and p99 of
-// POST -> paid. With RETRYSAFE_TEST_NATS set, the broker is NATS
+// It reports orders/s until every order is final, the p50 and p99 of
+// POST -> paid, and what the orders cost the database: commits, rows
+// written and statements per order, with where the commits go in the log
+// (commitMeter). With RETRYSAFE_TEST_NATS set, the broker is NATS
 // JetStream. On PostgreSQL it also runs 2 and 3 serve processes (Apps
 // with pools, listeners and broker connections of their own, in this test
 // process) side by side, the clients spread over their APIs: scaling out.
@@ -538,8 +543,10 @@ func BenchmarkEndToEnd(b *testing.B) {
 			ctx := context.Background()
 			target := testDatabase(b)
 			var apps []*App
+			// Every App's connections count what they commit, and where.
+			ledger := newCommitLedger()
 			for range run.processes {
-				db, err := openDB(ctx, target)
+				db, err := openCountedDB(ctx, target, ledger)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -571,6 +578,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			watcher := watchFinal(b, target)
 			client := benchClient(max(run.clients, 64))
 			latencies := make([]time.Duration, b.N)
+			meter := startCommitMeter(b, target, ledger)
 			b.ResetTimer()
 			send := func(do func(i int) error) { runClients(b, run.clients, do) }
 			if run.rate > 0 {
@@ -606,6 +614,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			slices.Sort(latencies)
 			b.ReportMetric(float64(percentile(latencies, 50).Microseconds())/1000, "p50-ms")
 			b.ReportMetric(float64(percentile(latencies, 99).Microseconds())/1000, "p99-ms")
+			meter.report(b, b.N, watcher.polls.Load())
 		})
 	}
 }

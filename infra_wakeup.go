@@ -39,8 +39,8 @@ import (
 )
 
 // wakeup wakes one loop. Signals sent while the loop is busy collapse into
-// one: the loop runs passes until one finds nothing, so one pass after the
-// last signal is all that signal needs.
+// one: the loop runs passes until one finds nothing (the relay: less than a
+// full batch), so one pass after the last signal is all that signal needs.
 type wakeup struct {
 	ready chan struct{}
 }

@@ -240,3 +240,55 @@ func twoIdleProcesses(t *testing.T) (*App, *httptest.Server, *finalWatcher, *htt
 	serveInProcess(t, workers, target, true)
 	return api, apiServer, watchFinal(t, target), benchClient(1)
 }
+
+// Ensure a loop that found less than a full batch waits for the next
+// signal instead of looking again at once (a look that would find
+// nothing), and that one that found a full batch looks again at once.
+func TestLoopAfterAShortBatch(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		found int
+		// again: the second pass runs without a signal.
+		again bool
+	}{
+		{"ShortBatchWaitsForASignal", 1, false},
+		{"FullBatchLooksAgainAtOnce", 2, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, stop := context.WithCancel(context.Background())
+			var loops sync.WaitGroup
+			t.Cleanup(func() {
+				stop()
+				loops.Wait()
+			})
+			wake := newWakeup()
+			var mu sync.Mutex
+			signalled := false
+			passes := make(chan bool, 2) // whether the signal had been sent
+			startLoop(ctx, &loops, discardLogger(), "test", time.Hour, wake, 2, func(context.Context) (int, error) {
+				mu.Lock()
+				sent := signalled
+				mu.Unlock()
+				select {
+				case passes <- sent:
+				default:
+				}
+				return tc.found, nil
+			})
+			<-passes
+			if tc.again {
+				if sent := <-passes; sent {
+					t.Fatal("the second pass ran after the signal; want it at once, with no signal")
+				}
+				return
+			}
+			mu.Lock()
+			signalled = true
+			mu.Unlock()
+			wake.signal()
+			if sent := <-passes; !sent {
+				t.Fatal("the second pass ran before the signal; want the loop to wait for it")
+			}
+		})
+	}
+}

@@ -628,7 +628,11 @@ const (
 // startRelayLoop starts the relay loop (the article's run_relay()). It
 // exits when ctx is done.
 func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
-	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, func(ctx context.Context) (int, error) {
+	// A claim that took fewer than a batch took every event that was due:
+	// the relay waits for the next signal instead of claiming again at
+	// once, a claim that would find nothing (a transaction and a commit on
+	// PostgreSQL). An event committed meanwhile signals it.
+	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, relayBatchSize, func(ctx context.Context) (int, error) {
 		return app.relayOnce(ctx, workerID, relayBatchSize)
 	})
 }
@@ -638,7 +642,7 @@ func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID 
 // done.
 func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	for _, c := range app.consumers() {
-		startLoop(ctx, wg, logger, "consume "+c.name, app.idle.worker, app.wake.consumers[c.name], func(ctx context.Context) (int, error) {
+		startLoop(ctx, wg, logger, "consume "+c.name, app.idle.worker, app.wake.consumers[c.name], 0, func(ctx context.Context) (int, error) {
 			results, err := app.consumeOnce(ctx, c, consumeBatchSize)
 			for _, result := range results {
 				if result.Outcome == inboxPoison {
@@ -660,7 +664,7 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 		sagaLoops, sagaBatch = postgresSagaLoops, 1
 	}
 	for range sagaLoops {
-		startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, func(ctx context.Context) (int, error) {
+		startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, 0, func(ctx context.Context) (int, error) {
 			n, err := app.sagaOnce(ctx, workerID, sagaBatch)
 			if n > 0 && sagaLoops > 1 {
 				app.wake.saga.signal()
@@ -670,10 +674,10 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 	}
 	// The completer and cleanup look for what is left over (a refund whose
 	// request died, keys past their TTL): nothing to wake them for.
-	startLoop(ctx, wg, logger, "refund completer", time.Second, nil, func(ctx context.Context) (int, error) {
+	startLoop(ctx, wg, logger, "refund completer", time.Second, nil, 0, func(ctx context.Context) (int, error) {
 		return app.completeRefundsOnce(ctx, refundBatchSize)
 	})
-	startLoop(ctx, wg, logger, "cleanup", cleanupIdle, nil, func(ctx context.Context) (int, error) {
+	startLoop(ctx, wg, logger, "cleanup", cleanupIdle, nil, 0, func(ctx context.Context) (int, error) {
 		result, err := app.cleanupOnce(ctx)
 		if err == nil && result != (cleanupResult{}) {
 			logger.Info("cleanup", "keys", result.Keys, "outbox_events", result.OutboxEvents,
@@ -688,7 +692,12 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 // signalled (wake may be nil); after a growing pause when it fails (a
 // signal does not cut that short: a failing database is not hammered). The
 // goroutine exits when ctx is done.
-func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, name string, idle time.Duration, wake *wakeup, once func(ctx context.Context) (int, error)) {
+//
+// If batch is set, once takes at most batch things a pass, and a pass that
+// found fewer took all there was when it looked: the loop waits as if it
+// had found none, and work committed since wakes it (a signal sent during
+// the pass is kept for the wait).
+func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, name string, idle time.Duration, wake *wakeup, batch int, once func(ctx context.Context) (int, error)) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -705,7 +714,7 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 				wait = min(idle<<min(failures, 6), 30*time.Second)
 				woken = nil
 				logger.Error("loop failed", "loop", name, "error", err, "retry_in", wait)
-			case n == 0:
+			case n == 0, n < batch:
 				failures = 0
 				wait = idle
 			default:
