@@ -162,6 +162,14 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:    "CommitErrorIgnored",
+			catcher: "TestGroupCommit/EveryMemberAnsweredWhenTheCommitFails",
+			fault:   "review: a COMMIT that failed is reported as done (the transaction's writes are gone, its caller is told they stand)",
+			edits: []mutationEdit{
+				{"db.go", "\tif err := tx.Commit(); err != nil {\n\t\treturn fmt.Errorf(\"commit: %w\", err)\n\t}", "\ttx.Commit()"},
+			},
+		},
+		{
 			name:    "ChargeKeyPerAttempt",
 			catcher: "TestSaga/TimeoutChargesOnce",
 			fault:   "sample: a processor key that differs per attempt (the charge is made again after a lost response)",

@@ -429,6 +429,10 @@ func (s *simulation) newNetwork(name string) *simDatabase {
 		s.tracef("a commit to %s lands, and the connection drops before its answer does", name)
 		s.beginOutage(network)
 	}
+	network.commitFailed = func() {
+		s.tracef("the connection to %s drops as a commit is sent: nothing of it lands", name)
+		s.beginOutage(network)
+	}
 	return network
 }
 
@@ -451,7 +455,7 @@ func (s *simulation) endOutage(network *simDatabase) {
 		return
 	}
 	network.down = false
-	network.loseCommit = false
+	network.loseCommit, network.failCommit = false, false
 	s.tracef("%s is reachable again", network.name)
 }
 
@@ -703,6 +707,8 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 				s.beginOutage(s.network)
 			case roll < 2:
 				s.network.loseCommit = true
+			case roll < 3:
+				s.network.failCommit = true
 			}
 		}
 		return nil
@@ -1601,13 +1607,14 @@ func (s *simulation) checkClientsAgainstDatabase(ctx context.Context) error {
 		for _, orderID := range client.orders {
 			told[orderID] = true
 			var n int
-			var user string
+			// NULL when the order does not exist.
+			var user sql.NullString
 			err := s.direct.QueryRowContext(ctx, `SELECT COUNT(*), MIN(user_id) FROM orders WHERE order_id = ?`, orderID).Scan(&n, &user)
 			if err != nil {
 				return fmt.Errorf("read order: %w", err)
 			}
-			if n != 1 || user != client.user {
-				return s.fail("%s was told of order %s, which exists %d times (user %q)", client.name, orderID, n, user)
+			if n != 1 || user.String != client.user {
+				return s.fail("%s was told of order %s, which exists %d times (user %q)", client.name, orderID, n, user.String)
 			}
 		}
 		for _, req := range client.requests {

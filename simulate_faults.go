@@ -53,8 +53,9 @@ type simDatabase struct {
 	down bool
 	ends int
 	// loseCommit: the next commit lands, then the connection drops and an
-	// outage begins.
-	loseCommit bool
+	// outage begins. failCommit: the connection drops as the next commit
+	// is sent, so nothing of it lands, and an outage begins.
+	loseCommit, failCommit bool
 	// diskFull: the disk has no room (see fillDisk). On SQLite, maxPages
 	// is then the file's max_page_count on every connection (see
 	// setMaxPages); on PostgreSQL the server fails each write with
@@ -66,8 +67,9 @@ type simDatabase struct {
 	processDied bool
 	// refused is called each time a call fails for the outage (the
 	// simulator marks the running action with it); commitLost when a
-	// commit landed but its answer was lost.
-	refused, commitLost func()
+	// commit landed but its answer was lost; commitFailed when a commit
+	// failed with the connection.
+	refused, commitLost, commitFailed func()
 }
 
 // refuse returns errSimOutage while the database is down.
@@ -276,14 +278,24 @@ type simTx struct {
 
 // Commit commits, unless the database is down (then nothing is committed:
 // the connection drops with the transaction open). Armed with loseCommit,
-// it commits and then reports the connection dropped.
+// it commits and then reports the connection dropped; armed with
+// failCommit, the connection drops first.
 func (t *simTx) Commit() error {
+	// The transaction ends here, whatever happens: if its process died in
+	// it, that is known now and not at some later commit.
+	died := t.conn.network.processDied
+	t.conn.network.processDied = false
+	if t.conn.network.failCommit {
+		t.conn.network.failCommit = false
+		if t.conn.network.commitFailed != nil {
+			t.conn.network.commitFailed()
+		}
+	}
 	if err := t.conn.check(); err != nil {
 		t.tx.Rollback()
 		return err
 	}
-	if t.conn.network.processDied {
-		t.conn.network.processDied = false
+	if died {
 		t.tx.Rollback()
 		return errCrash
 	}
