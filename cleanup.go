@@ -13,7 +13,8 @@ import (
 // Retention of delivered messages. An inbox row must outlive every possible
 // redelivery of its message, or a late duplicate would be applied again:
 // the broker redelivers within maxDeliveries*ackWait (minutes), so a week is
-// far beyond it.
+// far beyond it. A message that is poison for a consumer is kept however
+// old (its event and the broker's copy): an operator's replay needs it.
 const (
 	messageRetention = 7 * 24 * time.Hour
 	cleanupBatchSize = 500
@@ -41,7 +42,9 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	}
 	result.OutboxEvents, err = a.deleteInBatches(ctx, `
 		DELETE FROM outbox_events WHERE seq IN (
-			SELECT seq FROM outbox_events WHERE status = 'published' AND published_at <= ? LIMIT ?)`, retainedSince)
+			SELECT seq FROM outbox_events e WHERE status = 'published' AND published_at <= ?
+			  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id AND i.status = 'poison')
+			LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete published events: %w", err)
 	}
@@ -56,6 +59,7 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 			SELECT m.seq FROM broker_messages m
 			WHERE m.published_at <= ?
 			  AND NOT EXISTS (SELECT 1 FROM broker_deliveries d WHERE d.message_seq = m.seq)
+			  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = m.message_id AND i.status = 'poison')
 			LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete delivered messages: %w", err)

@@ -373,19 +373,47 @@ func TestInboxReplay(t *testing.T) {
 		}
 	})
 
-	// Ensure a message that cleanup has deleted from both the outbox and
-	// the broker is refused, saying so, and nothing changes.
-	t.Run("RefusesAMessageCleanupDeleted", func(t *testing.T) {
+	// Ensure cleanup keeps a poison message, its event and the broker's
+	// copy, past the message retention: a week later the operator's replay
+	// still delivers it, and its order is paid.
+	t.Run("PoisonMessageOutlivesTheRetention", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
+		env.drain(t)
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		eventID := env.str(t, `SELECT message_id FROM inbox_messages WHERE status = 'poison'`)
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM outbox_events WHERE event_id = ?) + (SELECT COUNT(*) FROM broker_messages WHERE message_id = ?)`,
+			eventID, eventID); n != 2 {
+			t.Fatalf("cleanup left %d of the poison message's event and broker copy, want both", n)
+		}
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		mustAuditClean(t, env, true)
+	})
+
+	// Ensure a message that neither the outbox nor the broker holds any
+	// more (deleted by hand: cleanup keeps it) is refused, saying so, and
+	// nothing changes.
+	t.Run("RefusesAMessageNoLongerHeld", func(t *testing.T) {
 		env := MustOpenApp(t)
 		mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
 		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
 			t.Fatal(err)
 		}
 		poisonFor(t, env, consumerNamed(t, env, paymentServiceConsumer), permanent(errors.New("payment service bug")))
-		env.clock.advance(messageRetention + time.Hour)
-		if _, err := env.app.cleanupOnce(ctx); err != nil {
-			t.Fatal(err)
-		}
+		forgetMessage(t, env, env.str(t, `SELECT message_id FROM inbox_messages WHERE status = 'poison'`))
 		before := repairState(t, env)
 		_, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true})
 		mustRefuse(t, err, errRepairRefused, "in neither the outbox nor the broker any more")
@@ -1337,5 +1365,20 @@ func TestRepairAuditLeavesTheWriteConnection(t *testing.T) {
 				t.Fatalf("the audit after the repair: %s", got.body)
 			}
 		})
+	}
+}
+
+// forgetMessage deletes message id from the outbox and the broker, as an
+// operator's DELETE would (cleanup keeps a poison message).
+func forgetMessage(t *testing.T, env *testEnv, id string) {
+	t.Helper()
+	for _, query := range []string{
+		`DELETE FROM outbox_events WHERE event_id = ?`,
+		`DELETE FROM broker_deliveries WHERE message_seq IN (SELECT seq FROM broker_messages WHERE message_id = ?)`,
+		`DELETE FROM broker_messages WHERE message_id = ?`,
+	} {
+		if _, err := env.app.db.Exec(query, id); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

@@ -353,3 +353,13 @@ CREATE INDEX IF NOT EXISTS outbox_events_failed ON outbox_events (seq)
     WHERE status = 'failed';
 CREATE INDEX IF NOT EXISTS saga_instances_compensation_failed ON saga_instances (saga_id)
     WHERE status = 'compensation_failed';
+
+-- version 7
+
+-- A poison message waits for an operator's replay, and so does what the
+-- replay delivers: cleanup keeps the outbox event and the broker's copy of
+-- any message an inbox holds as poison, past the message retention, until
+-- the replay (or never). It looks them up here; only a message made poison
+-- writes to it.
+CREATE INDEX IF NOT EXISTS inbox_messages_poison ON inbox_messages (message_id)
+    WHERE status = 'poison';

@@ -59,6 +59,9 @@ type simOperator struct {
 	until  int
 	// brokePublish is set once the broker has refused publishes.
 	brokePublish bool
+	// setAside is what was set aside for an operator at the last step
+	// (see checkSetAside), by repair target.
+	setAside map[string]repairAction
 }
 
 // simOperatorProcess runs the repairs. The simulator's crashes pick among
@@ -226,4 +229,57 @@ func (s *simulation) repairWhileQuiet(ctx context.Context) (bool, error) {
 		}
 	}
 	return repaired, nil
+}
+
+// setAsideRows reads what is set aside for an operator: poison messages
+// (target consumer/message id), events failed after their attempts (event
+// id) and sagas whose compensation failed (saga id), each with the repair
+// that takes it back.
+func (s *simulation) setAsideRows(ctx context.Context) (map[string]repairAction, error) {
+	rows, err := s.direct.QueryContext(ctx, `
+		SELECT consumer || '/' || message_id, 'inbox' FROM inbox_messages WHERE status = 'poison'
+		UNION ALL SELECT event_id, 'outbox' FROM outbox_events WHERE status = 'failed'
+		UNION ALL SELECT saga_id, 'saga' FROM saga_instances WHERE status = 'compensation_failed'`)
+	if err != nil {
+		return nil, fmt.Errorf("read what is set aside: %w", err)
+	}
+	defer rows.Close()
+	repairs := map[string]repairAction{"inbox": repairInboxReplay, "outbox": repairOutboxRetry, "saga": repairSagaResume}
+	found := map[string]repairAction{}
+	for rows.Next() {
+		var target, kind string
+		if err := rows.Scan(&target, &kind); err != nil {
+			return nil, fmt.Errorf("read what is set aside: %w", err)
+		}
+		found[target] = repairs[kind]
+	}
+	return found, rows.Err()
+}
+
+// checkSetAside fails the run if something set aside for an operator at
+// the last step is gone without the operator's repair: it may leave that
+// state only through the repair (which logs it), never by cleanup or any
+// other code path, or its message, event or refund is lost for good with
+// nothing left to show it.
+func (s *simulation) checkSetAside(ctx context.Context) error {
+	now, err := s.setAsideRows(ctx)
+	if err != nil {
+		return err
+	}
+	for target, repair := range s.operator.setAside {
+		if _, ok := now[target]; ok {
+			continue
+		}
+		var repaired bool
+		err := s.direct.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM repair_log WHERE action = ? AND target = ?)`,
+			string(repair), target).Scan(&repaired)
+		if err != nil {
+			return fmt.Errorf("read the repair log: %w", err)
+		}
+		if !repaired {
+			return s.fail("%s was set aside for an operator's %s, and is gone without one", target, repair)
+		}
+	}
+	s.operator.setAside = now
+	return nil
 }
