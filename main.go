@@ -625,11 +625,22 @@ const (
 	cleanupIdle = time.Hour
 )
 
-// startRelayLoop starts the relay loop (the article's run_relay()). It
-// exits when ctx is done.
+// startRelayLoop starts the relay loop (the article's run_relay()) and the
+// reconciler's (deliver.go), which is part of the relay: every relay
+// process sweeps, and their claims keep them apart. Both exit when ctx is
+// done.
 func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, func(ctx context.Context) (int, error) {
 		return app.relayOnce(ctx, workerID, relayBatchSize)
+	})
+	// Nothing announces a lost message: the reconciler looks, a tenth of
+	// the bound apart, so an event is republished at most a tenth late.
+	startLoop(ctx, wg, logger, "reconciler", app.leases.deliver/10, nil, func(ctx context.Context) (int, error) {
+		republished, err := app.reconcileOnce(ctx, workerID, relayBatchSize)
+		if republished > 0 {
+			logger.Warn("republished events not delivered in time", "events", republished, "bound", app.leases.deliver)
+		}
+		return republished, err
 	})
 }
 

@@ -353,3 +353,14 @@ CREATE INDEX IF NOT EXISTS outbox_events_failed ON outbox_events (seq)
     WHERE status = 'failed';
 CREATE INDEX IF NOT EXISTS saga_instances_compensation_failed ON saga_instances (saga_id)
     WHERE status = 'compensation_failed';
+
+-- version 7
+
+-- Delivery, not the broker's acknowledgement, ends an event's life: see
+-- version 7 of schema.sql for why, and deliver.go. Built inside the
+-- migration's transaction, like version 6's indexes.
+ALTER TABLE outbox_events ADD COLUMN delivered_at utc_time;
+ALTER TABLE outbox_events ADD COLUMN republished_at utc_time;
+ALTER TABLE outbox_events ADD COLUMN republishes BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS outbox_events_undelivered ON outbox_events (published_at)
+    WHERE status = 'published' AND delivered_at IS NULL;
