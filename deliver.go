@@ -23,6 +23,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -106,9 +107,14 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
 	}
 	if err := a.broker.publishBatch(ctx, msgs); err != nil {
-		// The claim stays until its lease passes; the next sweep after
-		// that tries again.
-		return 0, fmt.Errorf("republish %d undelivered events: %w", len(events), err)
+		if errors.Is(err, errCrash) {
+			return 0, err
+		}
+		// The broker is down or refuses: the claim stays until its lease
+		// passes, and the first sweep after that tries again. Not an
+		// error of the sweep, as a failed publish is none of relayOnce.
+		a.log.Warn("reconciler republish failed", "relay", relayID, "events", len(events), "error", err.Error())
+		return 0, nil
 	}
 	// The broker has the copies, the outbox has not recorded them.
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
