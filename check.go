@@ -55,10 +55,9 @@ func invariants(d *dialect) []invariant {
 	// Which consumer must apply which event: their subscriptions
 	// (deliveryTargets), as the reconciler reads them.
 	missingInbox := `
-		WITH ` + subscriptionsSQL(deliveryTargets()) + `
 		SELECT e.event_type || ' ' || e.event_id || ' of ' || e.aggregate_id || ' was published at ' || COALESCE(e.published_at, '?') ||
 		       ' and ' || s.consumer || ' has not applied it (republished ' || e.republishes || ' times)'
-		FROM outbox_events e JOIN subscriptions s ON s.subject = e.event_type
+		FROM outbox_events e JOIN ` + subscriptionsTable(deliveryTargets()) + ` s ON s.subject = e.event_type
 		-- The events in flight only (outbox_events_undelivered): one the
 		-- reconciler marked delivered had every inbox row then.
 		WHERE e.status = 'published' AND e.delivered_at IS NULL

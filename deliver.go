@@ -49,15 +49,16 @@ func deliveryTargets() []deliveryTarget {
 	return targets
 }
 
-// subscriptionsSQL returns a common table expression, "subscriptions
-// (subject, consumer)", that lists targets, to begin a statement with WITH.
-// The names are the program's constants, written as SQL literals.
-func subscriptionsSQL(targets []deliveryTarget) string {
+// subscriptionsTable returns targets as a table, "(...)", of two columns,
+// subject and consumer, to follow FROM or JOIN. The names are the
+// program's constants, written as SQL literals. (SQLite and PostgreSQL both
+// name the columns of VALUES column1 and column2.)
+func subscriptionsTable(targets []deliveryTarget) string {
 	rows := make([]string, len(targets))
 	for i, t := range targets {
 		rows[i] = "(" + sqlLiteral(t.subject) + ", " + sqlLiteral(t.consumer) + ")"
 	}
-	return "subscriptions (subject, consumer) AS (VALUES " + strings.Join(rows, ", ") + ")"
+	return "(SELECT column1 AS subject, column2 AS consumer FROM (VALUES " + strings.Join(rows, ", ") + ") AS targets)"
 }
 
 // sqlLiteral quotes s as an SQL string literal.
@@ -65,15 +66,16 @@ func sqlLiteral(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
 }
 
-// undeliveredSQL is the condition, on the outbox_events row e, that some
-// consumer subscribed to e's subject (in the subscriptions table of
-// subscriptionsSQL) has no inbox row of it. A poison row counts as
-// delivered: the consumer received the message and gave up on it, which
-// inspect and check report, and an operator replays.
-const undeliveredSQL = `EXISTS (
-	SELECT 1 FROM subscriptions s
-	WHERE s.subject = e.event_type
-	  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id))`
+// undeliveredSQL returns the condition, on the outbox_events row e, that
+// one of targets subscribed to e's subject has no inbox row of it. A poison
+// row counts as delivered: the consumer received the message and gave up
+// on it, which inspect and check report, and an operator replays.
+func undeliveredSQL(targets []deliveryTarget) string {
+	return `EXISTS (
+		SELECT 1 FROM ` + subscriptionsTable(targets) + ` s
+		WHERE s.subject = e.event_type
+		  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id))`
+}
 
 // reconcileOnce is one sweep of the reconciler: it marks delivered the
 // published events that every consumer of their subject has applied, then
@@ -132,12 +134,11 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 // (delivered_at IS NULL). Two relays marking together mark the same.
 func (a *App) markDelivered(ctx context.Context) error {
 	_, err := a.db.ExecContext(ctx, `
-		WITH `+subscriptionsSQL(a.deliveryTargets)+`
 		UPDATE outbox_events SET delivered_at = ?
 		WHERE seq IN (
 			SELECT e.seq FROM outbox_events e
 			WHERE e.status = 'published' AND e.delivered_at IS NULL
-			  AND NOT `+undeliveredSQL+`)`,
+			  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,
 		formatTime(a.now()))
 	if err != nil {
 		return fmt.Errorf("mark delivered events: %w", err)
@@ -155,7 +156,6 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 		events = nil
 		// lease_token + 1: the claim's fencing token, as the relay's.
 		rows, err := tx.QueryContext(ctx, `
-			WITH `+subscriptionsSQL(a.deliveryTargets)+`
 			UPDATE outbox_events
 			SET claimed_by = ?, claimed_until = ?, lease_token = lease_token + 1
 			WHERE seq IN (
@@ -166,7 +166,7 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				  AND COALESCE(e.republished_at, e.published_at) <= ?
 				  AND e.published_at > ?
 				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
-				  AND `+undeliveredSQL+`
+				  AND `+undeliveredSQL(a.deliveryTargets)+`
 				ORDER BY e.seq
 				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, republishes, lease_token, traceparent, tracestate`,

@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"regexp"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -46,6 +48,57 @@ func TestDelivery(t *testing.T) {
 			t.Fatalf("got %d events not marked delivered, want 0", got)
 		}
 		mustAudit(t, env, true)
+	})
+
+	// Ensure trace and inspect show an event's delivery per consumer: which
+	// inbox it is missing from, its republish, and when it was delivered.
+	t.Run("TraceAndInspectShowDeliveryPerConsumer", func(t *testing.T) {
+		env := MustOpenApp(t)
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		shown := func() (string, string) {
+			trace, err := traceOrder(ctx, env.app.db, order)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var traced, inspected strings.Builder
+			if err := printTrace(&traced, trace); err != nil {
+				t.Fatal(err)
+			}
+			if err := inspect(ctx, env.app.db, &inspected, inspectOptions{view: inspectWide, orderID: order}); err != nil {
+				t.Fatal(err)
+			}
+			return traced.String(), inspected.String()
+		}
+		traced, inspected := shown()
+		if !strings.Contains(traced, "not delivered yet: not in the inbox of "+paymentServiceConsumer) {
+			t.Errorf("trace of a lost OrderCreated does not name the inbox it is missing from:\n%s", traced)
+		}
+		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+missing\s+0`).MatchString(inspected) {
+			t.Errorf("inspect does not show the OrderCreated missing from %s's inbox:\n%s", paymentServiceConsumer, inspected)
+		}
+		env.clock.advance(deliveryBound)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.drain(t)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		traced, inspected = shown()
+		for _, want := range []string{"undelivered after 5m0s (1 in all)", "delivered: in the inbox of " + paymentServiceConsumer} {
+			if !strings.Contains(traced, want) {
+				t.Errorf("trace does not say %q:\n%s", want, traced)
+			}
+		}
+		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+done\s+1\s+20`).MatchString(inspected) {
+			t.Errorf("inspect does not show the OrderCreated applied by %s after one republish:\n%s", paymentServiceConsumer, inspected)
+		}
 	})
 
 	// Ensure a consumer that is merely slow gets no copy before the bound,
