@@ -31,6 +31,12 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	var result cleanupResult
 	now := a.now()
 	retainedSince := formatTime(now.Add(-messageRetention))
+	// The inbox rows deleted below are the only proof that an event was
+	// delivered: record it first (deliver.go), or check would report an
+	// event applied a week ago as undelivered, and cleanup keep it.
+	if err := a.markDelivered(ctx); err != nil {
+		return result, err
+	}
 	var err error
 	result.Keys, err = a.deleteInBatches(ctx, `
 		DELETE FROM idempotency_keys WHERE (user_id, idempotency_key) IN (

@@ -236,6 +236,26 @@ func TestDelivery(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
+	// Ensure cleanup records an event's delivery before it deletes the
+	// inbox rows that prove it: without, an event applied a week ago, whose
+	// delivery no sweep had recorded, was reported undelivered for ever and
+	// kept.
+	t.Run("CleanupRecordsDeliveryBeforeDeletingItsProof", func(t *testing.T) {
+		env := MustOpenApp(t)
+		createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.db.Exec(`UPDATE outbox_events SET delivered_at = NULL`); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 0 {
+			t.Errorf("cleanup kept %d delivered events, want 0", got)
+		}
+		mustAudit(t, env, true)
+	})
+
 	// Ensure a republish the broker refuses leaves the event claimed and
 	// undelivered, and the next sweep after the lease tries again.
 	t.Run("RefusedRepublishIsTriedAgain", func(t *testing.T) {
