@@ -57,12 +57,12 @@ const (
 
 	// deliveryBound is how long after an event's publish the reconciler
 	// (deliver.go) waits for every consumer's inbox row before it takes
-	// the message for lost and publishes it again. Longer than NATS
-	// JetStream's duplicate window (natsDuplicateWindow, two minutes): a
-	// copy published inside the window is dropped as a duplicate of the
-	// message the broker lost. Longer than a few ackWaits, so a consumer
-	// that is merely slow rarely gets a copy; a consumer whose backlog is
-	// older than this gets copies its inbox absorbs.
+	// the message for lost and publishes it again. Ten ackWaits: a
+	// consumer that is merely slow, or a message redelivered a few times,
+	// rarely gets a copy; a consumer whose backlog is older than this gets
+	// copies its inbox absorbs (and on NATS every consumer of the subject
+	// gets each copy). A shorter bound finds a loss sooner and sends more
+	// copies that were not needed.
 	deliveryBound = 5 * time.Minute
 	// redeliveryHorizon is how old an undelivered event may be and still
 	// be published again: a day short of messageRetention, after which

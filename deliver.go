@@ -9,9 +9,9 @@
 // An event is delivered when every consumer that subscribes to its subject
 // has its inbox row. The reconciler, part of the relay, marks delivered
 // events, and publishes again, under the same message id, every event
-// published longer than deliveryBound ago that is still not delivered: the
-// broker's dedupe and every inbox absorb the copy where the original did
-// arrive. It claims what it republishes under a lease, fenced like the
+// published longer than deliveryBound ago that is still not delivered:
+// every inbox absorbs the copy where the original did arrive (and the
+// embedded broker's dedupe before them). It claims what it republishes under a lease, fenced like the
 // relay's.
 //
 // Its limit: it reads the consumers' inboxes, so it works where they share
@@ -104,9 +104,11 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 	}
 	msgs := make([]message, len(events))
 	for i, event := range events {
-		// The event id, as on the first publish: the broker's dedupe
-		// (if it still has the message) and every inbox key on it.
-		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace}
+		// The event id, as on the first publish: every inbox keys on
+		// it. JetStream deduplicates this publish by an id of the
+		// claim's own (see message.PublishID).
+		msgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace,
+			PublishID: fmt.Sprintf("%s/republish-%d", event.EventID, event.LeaseToken)}
 	}
 	if err := a.broker.publishBatch(ctx, msgs); err != nil {
 		if errors.Is(err, errCrash) {
