@@ -18,7 +18,11 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -76,10 +80,10 @@ func loseEmbeddedMessages(ctx context.Context, db *sql.DB, n int, pick func(int)
 	return lost, nil
 }
 
-// loseNATSMessages deletes up to n messages of the stream that a durable
-// consumer has not acked yet (above the lowest ack floor of the stream's
-// consumers) with JetStream's delete-message API, and returns how many it
-// deleted. pick(k) chooses one of k candidates, oldest first.
+// loseNATSMessages deletes up to n messages of the stream that the durable
+// consumer of their subject has not acked yet (above its ack floor) with
+// JetStream's delete-message API, and returns how many it deleted. pick(k)
+// chooses one of k candidates, oldest first.
 func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName string, n int, pick func(int) int) (int, error) {
 	stream, err := js.Stream(ctx, streamName)
 	if err != nil {
@@ -89,26 +93,40 @@ func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName st
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", streamName, err)
 	}
-	floor := info.State.LastSeq
+	// Each durable reads one subject (natsBroker.subscribe).
+	floors := map[string]uint64{}
+	lowest := info.State.LastSeq
 	consumers := stream.ListConsumers(ctx)
 	for consumer := range consumers.Info() {
-		floor = min(floor, consumer.AckFloor.Stream)
+		floors[consumer.Config.FilterSubject] = consumer.AckFloor.Stream
+		lowest = min(lowest, consumer.AckFloor.Stream)
 	}
 	if err := consumers.Err(); err != nil {
 		return 0, fmt.Errorf("consumers of %s: %w", streamName, err)
 	}
 	var candidates []uint64
-	for seq := max(floor+1, info.State.FirstSeq); seq <= info.State.LastSeq; seq++ {
+	for seq := max(lowest+1, info.State.FirstSeq); seq <= info.State.LastSeq; seq++ {
 		candidates = append(candidates, seq)
 	}
 	deleted := 0
-	for range min(n, len(candidates)) {
+	for deleted < n && len(candidates) > 0 {
 		i := pick(len(candidates))
 		seq := candidates[i]
 		candidates = append(candidates[:i], candidates[i+1:]...)
-		err := stream.DeleteMsg(ctx, seq)
+		msg, err := stream.GetMsg(ctx, seq)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			// Deleted already, or a gap: nothing to lose there.
+			continue // deleted already, or a gap
+		}
+		if err != nil {
+			return deleted, fmt.Errorf("read message %d of %s: %w", seq, streamName, err)
+		}
+		if floor, read := floors[msg.Subject]; !read || seq <= floor {
+			// Its consumer acked it already (or nobody reads it): losing
+			// it now would lose nothing.
+			continue
+		}
+		err = stream.DeleteMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			continue
 		}
 		if err != nil {
@@ -117,4 +135,65 @@ func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName st
 		deleted++
 	}
 	return deleted, nil
+}
+
+// brokerLoss deletes up to one unconsumed message and returns how many it
+// deleted: none when nothing waits to be consumed.
+type brokerLoss func(ctx context.Context, pick func(int) int) (int, error)
+
+// embeddedBrokerLoss returns the nemesis of the embedded broker in db.
+func embeddedBrokerLoss(db *sql.DB) brokerLoss {
+	return func(ctx context.Context, pick func(int) int) (int, error) {
+		lost, err := loseEmbeddedMessages(ctx, db, 1, pick)
+		return len(lost), err
+	}
+}
+
+// natsBrokerLoss connects to url and returns the nemesis of stream, and a
+// function that disconnects.
+func natsBrokerLoss(url, stream string) (brokerLoss, func(), error) {
+	conn, err := nats.Connect(url, nats.MaxReconnects(-1))
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to %s: %w", url, err)
+	}
+	js, err := jetstream.New(conn)
+	if err != nil {
+		conn.Close()
+		return nil, nil, fmt.Errorf("jetstream: %w", err)
+	}
+	lose := func(ctx context.Context, pick func(int) int) (int, error) {
+		return loseNATSMessages(ctx, js, stream, 1, pick)
+	}
+	return lose, conn.Close, nil
+}
+
+// runBrokerLosses makes the broker lose n acknowledged messages that no
+// consumer has acked yet, one every 0.2 to 1 s, until it has lost n, ctx
+// is done, or stop is closed (the load is over: nothing may be left to
+// lose). It adds each loss to *lost, under mu.
+func runBrokerLosses(ctx context.Context, seed uint64, n int, lose brokerLoss, stop <-chan struct{}, lost *int, mu *sync.Mutex) error {
+	rng := rand.New(rand.NewPCG(seed, 0x1055))
+	for done := 0; done < n; {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-stop:
+			return nil
+		case <-time.After(time.Duration(200+rng.IntN(800)) * time.Millisecond):
+		}
+		deleted, err := lose(ctx, rng.IntN)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			// A database outage or a NATS restart of the run's own: the
+			// nemesis waits it out like everyone else.
+			continue
+		}
+		done += deleted
+		mu.Lock()
+		*lost += deleted
+		mu.Unlock()
+	}
+	return nil
 }

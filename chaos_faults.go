@@ -186,6 +186,9 @@ func (p *chaosProcess) pause(ctx context.Context, d time.Duration) {
 type chaosFaultCounts struct {
 	Pauses, Outages, ClockJumps, NATSRestarts int
 	BackendsTerminated                        int
+	// BrokerLosses counts the acknowledged messages the broker lost
+	// (broker_loss.go).
+	BrokerLosses int
 	PauseLength, OutageLength                 time.Duration
 	// OutageWindows are when the outages ran (from the start of the run),
 	// so 503 answers can be told apart.
