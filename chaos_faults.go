@@ -188,8 +188,8 @@ type chaosFaultCounts struct {
 	BackendsTerminated                        int
 	// BrokerLosses counts the acknowledged messages the broker lost
 	// (broker_loss.go).
-	BrokerLosses int
-	PauseLength, OutageLength                 time.Duration
+	BrokerLosses              int
+	PauseLength, OutageLength time.Duration
 	// OutageWindows are when the outages ran (from the start of the run),
 	// so 503 answers can be told apart.
 	OutageWindows [][2]time.Duration
