@@ -169,7 +169,9 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				  AND e.published_at > ?
 				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
 				  AND `+undeliveredSQL(a.deliveryTargets)+`
-				ORDER BY e.seq
+				-- The index's order: ORDER BY seq made SQLite read the
+				-- whole table, in seq order, instead of the index.
+				ORDER BY e.published_at, e.seq
 				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, republishes, lease_token, traceparent, tracestate`,
 			relayID, formatTime(now.Add(a.leases.relay)),
