@@ -877,10 +877,12 @@ func newCheckCommand() *cobra.Command {
 		Long: `check audits a database, read-only, for what the four layers promise: no
 key maps to two orders, every order has one OrderCreated event and announces
 its payment at most once, no order is charged twice, refunds add up, stock is
-conserved.
+conserved, no event published more than 10 minutes ago is missing from the
+inbox of a consumer of its subject.
 By default it also checks what holds once the system is quiet (every saga
-terminal, every event published, every key finished); stop the workers first,
-or pass --in-flight to skip those while work is still going on.`,
+terminal, every event published and applied by each of its consumers, every
+key finished); stop the workers first, or pass --in-flight to skip those
+while work is still going on.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			db, err := openReadOnlyDB(cmd.Context(), dbPath)
