@@ -133,15 +133,21 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 //
 // It is not fenced, and needs no lease: it writes a fact that the inbox
 // rows, read in the same statement, make true, and writes it only once
-// (delivered_at IS NULL). Two relays marking together mark the same.
+// (delivered_at IS NULL). Two relays marking together mark the same; on
+// PostgreSQL one may wait for the other's row locks, and a deadlock
+// between them is retried (withClaimTx).
 func (a *App) markDelivered(ctx context.Context) error {
-	_, err := a.db.ExecContext(ctx, `
-		UPDATE outbox_events SET delivered_at = ?
-		WHERE seq IN (
-			SELECT e.seq FROM outbox_events e
-			WHERE e.status = 'published' AND e.delivered_at IS NULL
-			  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,
-		formatTime(a.now()))
+	now := formatTime(a.now())
+	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `
+			UPDATE outbox_events SET delivered_at = ?
+			WHERE seq IN (
+				SELECT e.seq FROM outbox_events e
+				WHERE e.status = 'published' AND e.delivered_at IS NULL
+				  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,
+			now)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("mark delivered events: %w", err)
 	}
