@@ -54,6 +54,22 @@ const (
 	// rarely takes over a request that is merely slow. If it does, the slow
 	// request finds its lease gone at its next phase and stops (holdsLease).
 	refundLockTimeout = 90 * time.Second
+
+	// deliveryBound is how long after an event's publish the reconciler
+	// (deliver.go) waits for every consumer's inbox row before it takes
+	// the message for lost and publishes it again. Ten ackWaits: a
+	// consumer that is merely slow, or a message redelivered a few times,
+	// rarely gets a copy; a consumer whose backlog is older than this gets
+	// copies its inbox absorbs (and on NATS every consumer of the subject
+	// gets each copy). A shorter bound finds a loss sooner and sends more
+	// copies that were not needed.
+	deliveryBound = 5 * time.Minute
+	// redeliveryHorizon is how old an undelivered event may be and still
+	// be published again: a day short of messageRetention, after which
+	// cleanup deletes the inbox rows that make a copy harmless (an inbox
+	// row may be a little older than its event's published_at: a consumer
+	// can apply a message before its relay marks it published).
+	redeliveryHorizon = messageRetention - 24*time.Hour
 )
 
 // leaseTimes are how long a worker owns what it claimed. Production uses
@@ -62,6 +78,8 @@ const (
 // seconds and a run takes a minute instead of ten.
 type leaseTimes struct {
 	relay, ackWait, saga, refundLock time.Duration
+	// deliver is the reconciler's deliveryBound.
+	deliver time.Duration
 	// publishBackoff is the relay's first wait after a failed publish; it
 	// doubles with each attempt (relayBackoff).
 	publishBackoff time.Duration
@@ -76,6 +94,7 @@ func scaledLeaseTimes(scale float64) leaseTimes {
 		ackWait:        scaled(ackWait),
 		saga:           scaled(sagaLease),
 		refundLock:     scaled(refundLockTimeout),
+		deliver:        scaled(deliveryBound),
 	}
 }
 
@@ -133,6 +152,10 @@ type App struct {
 	// layer (tracing.go): a no-op one unless serve, relay or worker found
 	// OTEL_EXPORTER_OTLP_ENDPOINT set.
 	tracerProvider trace.TracerProvider
+	// deliveryTargets are the consumers the reconciler waits for, per
+	// subject: deliveryTargets(), read off consumers(). A test adds one to
+	// stand for a second consumer of a subject.
+	deliveryTargets []deliveryTarget
 }
 
 // idleTimes are the loops' sleeps when idle. Production uses relayIdle and
@@ -182,6 +205,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		consumerNames = append(consumerNames, c.name)
 	}
 	app.wake = newWakeups(consumerNames...)
+	app.deliveryTargets = deliveryTargets()
 	app.entry = layerEntries{
 		createOrder: app.createOrder,
 		receiveIn:   app.receiveIn,
@@ -260,6 +284,11 @@ func (a *App) runWorkersOnce(ctx context.Context, workerID string) (int, error) 
 		return total, fmt.Errorf("relay: %w", err)
 	}
 	total += published
+	republished, err := a.reconcileOnce(ctx, workerID, relayBatchSize)
+	if err != nil {
+		return total, fmt.Errorf("reconciler: %w", err)
+	}
+	total += republished
 	for _, c := range a.consumers() {
 		results, err := a.consumeOnce(ctx, c, consumeBatchSize)
 		if err != nil {

@@ -37,6 +37,15 @@ type message struct {
 	// Trace is the event's creation context, copied from the outbox row
 	// (tracing.go): the consumer's spans link to it.
 	Trace traceContext
+	// PublishID, if set, is what the broker deduplicates this publish by
+	// instead of ID: the reconciler's copy of a message the broker may
+	// have lost (deliver.go). JetStream remembers a Nats-Msg-Id for
+	// natsDuplicateWindow even after the message is gone, and would drop
+	// a copy under ID as a duplicate of what it lost; the copy still
+	// reaches the consumers as ID, which their inboxes key on. The
+	// embedded broker ignores it: a copy of a message it lost is stored
+	// anew, one of a message it holds queues only the deliveries missing.
+	PublishID string
 }
 
 // delivery is one handing of a message to one subscriber.

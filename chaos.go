@@ -80,6 +80,9 @@ type chaosConfig struct {
 	// the cluster's faults is injected (chaos_nats.go).
 	NATSCluster                                                          bool
 	NATSLeaderKills, NATSLeaderPauses, NATSTruncations, NATSFullRestarts int
+	// BrokerLosses is how many acknowledged messages that no consumer
+	// has acked yet the broker loses during the load (broker_loss.go).
+	BrokerLosses int
 	// Repairs is how many set-aside windows the run opens, each followed
 	// by an operator running every repair on what it set aside, with the
 	// repair processes SIGKILLed and paused (chaos_repairs.go).
@@ -479,6 +482,24 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 		defer nemeses.Done()
 		runPauses(ctx, cfg.Seed, cfg.Pauses, processes, leases, &report.Faults)
 	}()
+	clientsDone := make(chan struct{})
+	if cfg.BrokerLosses > 0 {
+		lose, closeLoss := embeddedBrokerLoss(dashboard), func() {}
+		if brokerURL != "" {
+			lose, closeLoss, err = natsBrokerLoss(brokerURL, stream)
+			if err != nil {
+				return report, err
+			}
+		}
+		defer closeLoss()
+		nemeses.Add(1)
+		go func() {
+			defer nemeses.Done()
+			if err := runBrokerLosses(ctx, cfg.Seed, cfg.BrokerLosses, lose, clientsDone, &report.Faults.BrokerLosses, &faultsMu); err != nil {
+				run.violation("broker loss: %v", err)
+			}
+		}()
+	}
 	if cluster != nil && natsNemeses > 0 {
 		nemeses.Add(1)
 		go func() {
@@ -609,6 +630,7 @@ func runChaos(ctx context.Context, cfg chaosConfig) (chaosReport, error) {
 	close(outages)
 	close(windows)
 	clients.Wait()
+	close(clientsDone)
 	nemeses.Wait()
 	close(loadDone)
 	<-progressDone
@@ -901,6 +923,7 @@ func printChaosReport(w io.Writer, r chaosReport) {
 	}
 	row("database outages", outages)
 	row("clock jumps (every process, past the key TTL)", fmt.Sprintf("%d (+%s each)", r.Faults.ClockJumps, clockJump))
+	row("acknowledged messages the broker lost", r.Faults.BrokerLosses)
 	if n := r.Faults.NATS; n != (natsClusterFaults{}) || r.Faults.NATSSyncAlways {
 		sync := "sync_interval: always"
 		if !r.Faults.NATSSyncAlways {
@@ -980,9 +1003,9 @@ func newChaosCommand() *cobra.Command {
 			if cfg.Orders <= 0 || cfg.Clients <= 0 || cfg.Duration <= 0 || cfg.Serves <= 0 || cfg.Relays <= 0 || cfg.Workers <= 0 {
 				return errors.New("--orders, --clients, --duration, --serves, --relays and --workers must be positive")
 			}
-			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 || cfg.Repairs < 0 ||
+			if cfg.Kills < 0 || cfg.Pauses < 0 || cfg.Outages < 0 || cfg.ClockJumps < 0 || cfg.Repairs < 0 || cfg.BrokerLosses < 0 ||
 				cfg.NATSLeaderKills < 0 || cfg.NATSLeaderPauses < 0 || cfg.NATSTruncations < 0 || cfg.NATSFullRestarts < 0 {
-				return errors.New("--kills, --pauses, --outages, --clock-jumps, --repairs and the --nats-* fault counts must not be negative")
+				return errors.New("--kills, --pauses, --outages, --clock-jumps, --repairs, --broker-loss and the --nats-* fault counts must not be negative")
 			}
 			binary, err := os.Executable()
 			if err != nil {
@@ -1052,6 +1075,7 @@ func newChaosCommand() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.NATSTruncations, "nats-truncations", 0, "with --nats-cluster: times to SIGKILL a follower, truncate its stream files and restart it")
 	cmd.Flags().IntVar(&cfg.NATSFullRestarts, "nats-full-restarts", 0, "with --nats-cluster: times to SIGKILL all three servers at once and restart them")
 	cmd.Flags().IntVar(&cfg.Pauses, "pauses", 0, "processes to pause (SIGSTOP) past their leases, then continue")
+	cmd.Flags().IntVar(&cfg.BrokerLosses, "broker-loss", 0, "acknowledged messages no consumer has acked yet to delete from the broker (NATS: JetStream's delete-message API; embedded: its rows)")
 	cmd.Flags().IntVar(&cfg.Outages, "outages", 0, "database outages longer than MaxDeliver x AckWait (SQLite: a held write lock; PostgreSQL: the run's backends terminated)")
 	cmd.Flags().IntVar(&cfg.ClockJumps, "clock-jumps", 0, "times every process's clock jumps past the idempotency key TTL; clients then reuse expired keys")
 	cmd.Flags().DurationVar(&cfg.ClockSkew, "clock-skew", 0, "run the first worker's clock this far ahead of the others")

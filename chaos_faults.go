@@ -199,7 +199,10 @@ func (p *chaosProcess) pause(ctx context.Context, d time.Duration) {
 type chaosFaultCounts struct {
 	Pauses, Outages, ClockJumps, NATSRestarts int
 	BackendsTerminated                        int
-	PauseLength, OutageLength                 time.Duration
+	// BrokerLosses counts the acknowledged messages the broker lost
+	// (broker_loss.go).
+	BrokerLosses              int
+	PauseLength, OutageLength time.Duration
 	// OutageWindows are when the outages ran (from the start of the run),
 	// so 503 answers can be told apart.
 	OutageWindows [][2]time.Duration

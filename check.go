@@ -22,7 +22,12 @@ type invariant struct {
 	// sinceRecent marks a query that takes one parameter: the oldest
 	// created_at whose events cleanup has certainly not deleted.
 	sinceRecent bool
-	query       string
+	// publishedBefore marks a query that takes one parameter: now minus
+	// deliveryLag. It is a promise about time, which the simulator's clock
+	// (a day can pass between two worker passes) breaks with nothing
+	// wrong; the simulator checks it once quiet.
+	publishedBefore bool
+	query           string
 }
 
 // violation is one place where an invariant is broken.
@@ -35,9 +40,28 @@ type violation struct {
 // events and the orders they hold back; inspect prints it too.
 const failedEventsInvariant = "no outbox event has failed to publish"
 
+// deliveryLag is how long after its publish an event may wait for its
+// consumers before check reports it: the reconciler's bound twice, so a
+// lost message has had its copy and the copy its consumers.
+const deliveryLag = 2 * deliveryBound
+
+// undeliveredInvariant names the invariant that lists events published
+// more than deliveryLag ago that a consumer has not applied.
+var undeliveredInvariant = fmt.Sprintf("no event published more than %s ago is undelivered", deliveryLag)
+
 // invariants returns every invariant, its queries written for d.
 func invariants(d *dialect) []invariant {
 	respondedOrderID := d.jsonField("k.response_body", "order_id")
+	// Which consumer must apply which event: their subscriptions
+	// (deliveryTargets), as the reconciler reads them.
+	missingInbox := `
+		SELECT e.event_type || ' ' || e.event_id || ' of ' || e.aggregate_id || ' was published at ' || COALESCE(e.published_at, '?') ||
+		       ' and ' || s.consumer || ' has not applied it (republished ' || e.republishes || ' times)'
+		FROM outbox_events e JOIN ` + subscriptionsTable(deliveryTargets()) + ` s ON s.subject = e.event_type
+		-- The events in flight only (outbox_events_undelivered): one the
+		-- reconciler marked delivered had every inbox row then.
+		WHERE e.status = 'published' AND e.delivered_at IS NULL
+		  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id)`
 	return []invariant{
 		{name: "an idempotency key maps to at most one order", query: `
 			SELECT a.user_id || ' key ' || a.idempotency_key || ' made orders ' || a.order_id || ' and ' || b.order_id
@@ -213,6 +237,9 @@ func invariants(d *dialect) []invariant {
 			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id
 			WHERE NOT ((s.status = 'completed' AND o.status IN ('paid', 'refunded'))
 			        OR (s.status = 'compensated' AND o.status = 'cancelled'))`},
+		{name: undeliveredInvariant, publishedBefore: true, query: missingInbox + `
+		  AND e.published_at <= ?`},
+		{name: "once quiet, every published event is applied by each consumer of its subject", settledOnly: true, query: missingInbox},
 		{name: "once quiet, no event is left unpublished", settledOnly: true, query: `
 			SELECT event_type || ' ' || event_id || ' is ' || status FROM outbox_events WHERE status <> 'published'`},
 		{name: "once quiet, no delivery is left unacked", settledOnly: true, query: `
@@ -269,6 +296,7 @@ func (a *auditor) close() {
 // the violations. now dates what cleanup may have deleted.
 func (a *auditor) audit(ctx context.Context, now time.Time, settled bool) ([]violation, error) {
 	recent := formatTime(now.Add(-messageRetention))
+	lagging := formatTime(now.Add(-deliveryLag))
 	var violations []violation
 	for i, inv := range a.invariants {
 		if inv.settledOnly && !settled {
@@ -277,6 +305,9 @@ func (a *auditor) audit(ctx context.Context, now time.Time, settled bool) ([]vio
 		var args []any
 		if inv.sinceRecent {
 			args = append(args, recent)
+		}
+		if inv.publishedBefore {
+			args = append(args, lagging)
 		}
 		rows, err := a.statements[i].QueryContext(ctx, args...)
 		details, err := violationDetails(inv, rows, err)

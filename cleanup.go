@@ -32,6 +32,12 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	var result cleanupResult
 	now := a.now()
 	retainedSince := formatTime(now.Add(-messageRetention))
+	// The inbox rows deleted below are the only proof that an event was
+	// delivered: record it first (deliver.go), or check would report an
+	// event applied a week ago as undelivered, and cleanup keep it.
+	if err := a.markDelivered(ctx); err != nil {
+		return result, err
+	}
 	var err error
 	result.Keys, err = a.deleteInBatches(ctx, `
 		DELETE FROM idempotency_keys WHERE (user_id, idempotency_key) IN (
@@ -42,7 +48,11 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	}
 	result.OutboxEvents, err = a.deleteInBatches(ctx, `
 		DELETE FROM outbox_events WHERE seq IN (
-			SELECT seq FROM outbox_events e WHERE status = 'published' AND published_at <= ?
+			SELECT seq FROM outbox_events e
+			-- Never one that a consumer has not applied (check keeps
+			-- reporting it until an operator sees why), nor one that a
+			-- consumer holds as poison (the operator's replay needs it).
+			WHERE status = 'published' AND delivered_at IS NOT NULL AND published_at <= ?
 			  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id AND i.status = 'poison')
 			LIMIT ?)`, retainedSince)
 	if err != nil {

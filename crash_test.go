@@ -100,6 +100,43 @@ func TestCheck(t *testing.T) {
 		}
 	})
 
+	// Ensure an event a consumer never applied is reported once quiet, and
+	// while work is in flight once deliveryLag has passed since its
+	// publish, not before: a consumer may be merely behind.
+	t.Run("ReportsAnEventAConsumerNeverApplied", func(t *testing.T) {
+		env, paid := settledEnv(t)
+		eventID := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ? AND event_type = 'OrderCreated'`, paid)
+		if _, err := env.app.db.Exec(`UPDATE outbox_events SET delivered_at = NULL, published_at = ? WHERE event_id = ?`,
+			formatTime(env.clock.now()), eventID); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.db.Exec(`DELETE FROM inbox_messages WHERE message_id = ?`, eventID); err != nil {
+			t.Fatal(err)
+		}
+		reported := func(settled bool, invariant string) bool {
+			violations, err := audit(context.Background(), env.app.db, env.clock.now(), settled)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, v := range violations {
+				if v.Invariant == invariant && strings.Contains(v.Detail, eventID) && strings.Contains(v.Detail, paymentServiceConsumer) {
+					return true
+				}
+			}
+			return false
+		}
+		if !reported(true, "once quiet, every published event is applied by each consumer of its subject") {
+			t.Error("once quiet, the event nobody applied is not reported")
+		}
+		if reported(false, undeliveredInvariant) {
+			t.Error("in flight, an event published just now is reported undelivered")
+		}
+		env.clock.advance(deliveryLag)
+		if !reported(false, undeliveredInvariant) {
+			t.Errorf("in flight, %s after its publish, the event nobody applied is not reported", deliveryLag)
+		}
+	})
+
 	for _, tt := range tamperings {
 		t.Run("Reports"+tt.name, func(t *testing.T) {
 			env, paid := settledEnv(t)

@@ -146,7 +146,7 @@ func Example_demo() {
 	// -> 422 Unprocessable Entity
 	// ok: 422 /problems/idempotency-key-expired; still 1 refund of 2000
 	// == Every effect happened as often as it should ==
-	// ok: all 29 invariants hold
+	// ok: all 31 invariants hold
 }
 
 func TestCommands(t *testing.T) {

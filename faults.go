@@ -23,7 +23,7 @@ const (
 	// before it).
 	faultPublish faultPoint = "broker.publish"
 	// faultAfterPublish: the broker has the event, the outbox still says
-	// pending.
+	// pending (or, after the reconciler's copy, has not recorded it).
 	faultAfterPublish faultPoint = "outbox.after_publish"
 	// faultConsumerApply: the consumer's own code is about to apply a
 	// message, inside the inbox's transaction; an error here is its code

@@ -203,6 +203,12 @@ func (b *natsBroker) publishBatch(ctx context.Context, msgs []message) error {
 	for _, msg := range msgs {
 		natsMsg := nats.NewMsg(b.subject(msg.Subject))
 		natsMsg.Header.Set(jetstream.MsgIDHeader, msg.ID)
+		if msg.PublishID != "" {
+			// A copy: an id of its own for JetStream's dedupe, the
+			// original for the inbox, as a replay (repair.go).
+			natsMsg.Header.Set(jetstream.MsgIDHeader, msg.PublishID)
+			natsMsg.Header.Set(replayedMessageIDHeader, msg.ID)
+		}
 		// The event's creation context travels as W3C Trace Context
 		// headers (tracing.go).
 		if msg.Trace.TraceParent != "" {

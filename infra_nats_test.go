@@ -126,6 +126,40 @@ func TestNATSBroker(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
+	// Ensure a message JetStream lost after acknowledging it (deleted from
+	// the stream, as a crash before its flush loses it) is published again
+	// by the reconciler and applied once. The copy has a Nats-Msg-Id of its
+	// own: under the event id, JetStream dropped it as a duplicate of the
+	// message it no longer held, for its whole duplicate window.
+	t.Run("MessageJetStreamLostIsRepublishedAndAppliedOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, 5*time.Second)
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if n, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("relay published %d, %v, want 1", n, err)
+		}
+		lost, err := loseNATSMessages(ctx, broker.js, broker.stream, 1, func(int) int { return 0 })
+		if err != nil || lost != 1 {
+			t.Fatalf("JetStream lost %d messages, %v, want 1", lost, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "created" {
+			t.Fatalf("before the bound the order is %s, want created", got)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want 1", n, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "paid" {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
+			t.Fatalf("got %d charges, want 1", got)
+		}
+		mustAudit(t, env, true)
+	})
+
 	// Ensure a relay that publishes an event twice stores it once: the event
 	// id is the Nats-Msg-Id.
 	t.Run("RepublishIsDeduplicated", func(t *testing.T) {

@@ -88,6 +88,18 @@ var inspectedTables = []inspectedTable{
 		orderBy: `seq`,
 	},
 	{
+		// Not a table: each event beside each consumer that must apply
+		// it (deliveryTargets), and whether that consumer's inbox has it.
+		// An event is delivered when every one has (deliver.go).
+		name:    "event_deliveries",
+		columns: `e.event_id, e.event_type, s.consumer, e.status, COALESCE(i.status, 'missing') AS inbox, e.republishes, e.delivered_at`,
+		brief:   `e.event_id, e.event_type, s.consumer, COALESCE(i.status, 'missing') AS inbox, e.republishes AS republished, e.delivered_at`,
+		from: `outbox_events e JOIN ` + subscriptionsTable(deliveryTargets()) + ` s ON s.subject = e.event_type
+			LEFT JOIN inbox_messages i ON i.consumer = s.consumer AND i.message_id = e.event_id`,
+		ofOrder: `e.aggregate_id = ?`,
+		orderBy: `e.seq, s.consumer`,
+	},
+	{
 		name:    "broker_messages",
 		columns: `seq, message_id, subject, duplicates`,
 		from:    `broker_messages`,

@@ -625,8 +625,10 @@ const (
 	cleanupIdle = time.Hour
 )
 
-// startRelayLoop starts the relay loop (the article's run_relay()). It
-// exits when ctx is done.
+// startRelayLoop starts the relay loop (the article's run_relay()) and the
+// reconciler's (deliver.go), which is part of the relay: every relay
+// process sweeps, and their claims keep them apart. Both exit when ctx is
+// done.
 func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	// A claim that took fewer than a batch took every event that was due:
 	// the relay waits for the next signal instead of claiming again at
@@ -634,6 +636,15 @@ func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID 
 	// PostgreSQL). An event committed meanwhile signals it.
 	startLoop(ctx, wg, logger, "relay", app.idle.relay, app.wake.relay, relayBatchSize, func(ctx context.Context) (int, error) {
 		return app.relayOnce(ctx, workerID, relayBatchSize)
+	})
+	// Nothing announces a lost message: the reconciler looks, a tenth of
+	// the bound apart, so an event is republished at most a tenth late.
+	startLoop(ctx, wg, logger, "reconciler", app.leases.deliver/10, nil, 0, func(ctx context.Context) (int, error) {
+		republished, err := app.reconcileOnce(ctx, workerID, relayBatchSize)
+		if republished > 0 {
+			logger.Warn("republished events not delivered in time", "events", republished, "bound", app.leases.deliver)
+		}
+		return republished, err
 	})
 }
 
@@ -875,10 +886,12 @@ func newCheckCommand() *cobra.Command {
 		Long: `check audits a database, read-only, for what the four layers promise: no
 key maps to two orders, every order has one OrderCreated event and announces
 its payment at most once, no order is charged twice, refunds add up, stock is
-conserved.
+conserved, no event published more than 10 minutes ago is missing from the
+inbox of a consumer of its subject.
 By default it also checks what holds once the system is quiet (every saga
-terminal, every event published, every key finished); stop the workers first,
-or pass --in-flight to skip those while work is still going on.`,
+terminal, every event published and applied by each of its consumers, every
+key finished); stop the workers first, or pass --in-flight to skip those
+while work is still going on.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			db, err := openReadOnlyDB(cmd.Context(), dbPath)

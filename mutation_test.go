@@ -177,6 +177,14 @@ func mutations() []mutation {
 				{"saga.go", "\treturn sagaID + \":\" + stepChargeCard\n}", "\treturn sagaID + \":\" + stepChargeCard + \":\" + time.Now().String()\n}"},
 			},
 		},
+		{
+			name:    "ReconcilerOff",
+			catcher: "TestDelivery/MessageTheBrokerLostIsRepublishedAndAppliedOnce",
+			fault:   "retrysafe: the broker's acknowledgement ends an event's life; a message the broker lost after acknowledging it leaves its order created for ever",
+			edits: []mutationEdit{
+				{"deliver.go", "\tevents, err := a.claimUndelivered(ctx, relayID, limit)\n", "\tevents, err := a.claimUndelivered(ctx, relayID, 0)\n"},
+			},
+		},
 	}
 }
 

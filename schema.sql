@@ -374,6 +374,31 @@ CREATE INDEX saga_instances_compensation_failed ON saga_instances (saga_id)
 
 -- version 7
 
+-- A broker's acknowledgement ends an event's publication, not its life: a
+-- broker can lose a message it acknowledged (JetStream with its default
+-- sync policy loses what it had not flushed when its host crashes), and
+-- the order it announced would then wait for ever. The reconciler
+-- (deliver.go) ends it instead, once every consumer that subscribes to the
+-- event's subject has its inbox row.
+--
+-- delivered_at is when the reconciler found every such inbox row (an event
+-- no consumer subscribes to is delivered as soon as it is published).
+-- republished_at and republishes record the reconciler's copies of an
+-- event that was not delivered in time; it claims such an event under the
+-- relay's lease columns (claimed_by, claimed_until, lease_token), which a
+-- published event no longer uses for anything else.
+ALTER TABLE outbox_events ADD COLUMN delivered_at TEXT;
+ALTER TABLE outbox_events ADD COLUMN republished_at TEXT;
+ALTER TABLE outbox_events ADD COLUMN republishes INTEGER NOT NULL DEFAULT 0;
+-- The reconciler reads only the events published and not yet delivered:
+-- those in flight, a few hundred at most, however long the history. An
+-- event enters the index when markPublished writes its row anyway, and
+-- leaves it when the reconciler marks it delivered; the create path never
+-- writes to it. (Events published before this version enter it at once;
+-- the reconciler's first sweeps mark them.)
+CREATE INDEX outbox_events_undelivered ON outbox_events (published_at)
+    WHERE status = 'published' AND delivered_at IS NULL;
+
 -- A poison message waits for an operator's replay, and so does what the
 -- replay delivers: cleanup keeps the outbox event and the broker's copy of
 -- any message an inbox holds as poison, past the message retention, until

@@ -356,6 +356,15 @@ CREATE INDEX IF NOT EXISTS saga_instances_compensation_failed ON saga_instances 
 
 -- version 7
 
+-- Delivery, not the broker's acknowledgement, ends an event's life: see
+-- version 7 of schema.sql for why, and deliver.go. Built inside the
+-- migration's transaction, like version 6's indexes.
+ALTER TABLE outbox_events ADD COLUMN delivered_at utc_time;
+ALTER TABLE outbox_events ADD COLUMN republished_at utc_time;
+ALTER TABLE outbox_events ADD COLUMN republishes BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS outbox_events_undelivered ON outbox_events (published_at)
+    WHERE status = 'published' AND delivered_at IS NULL;
+
 -- A poison message waits for an operator's replay, and so does what the
 -- replay delivers: cleanup keeps the outbox event and the broker's copy of
 -- any message an inbox holds as poison, past the message retention, until

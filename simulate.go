@@ -88,6 +88,9 @@ type simCounts struct {
 	ClockJumps, LostResponses, Answers5xx         int
 	Outages, LostCommits, Answers503              int
 	Reorders, LostAcks, DuplicatePublishes        int
+	// LostMessages counts messages the broker lost after acknowledging
+	// them.
+	LostMessages int
 	simPostgresCounts
 	// The structures the model-based oracle added: orders of several
 	// items, keys reused on another route or order, clock jumps inside a
@@ -119,6 +122,7 @@ func (c *simCounts) add(other simCounts) {
 	c.Reorders += other.Reorders
 	c.LostAcks += other.LostAcks
 	c.DuplicatePublishes += other.DuplicatePublishes
+	c.LostMessages += other.LostMessages
 	c.simPostgresCounts.add(other.simPostgresCounts)
 	c.MultiItemOrders += other.MultiItemOrders
 	c.KeysReused += other.KeysReused
@@ -924,6 +928,14 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	process := pick(s, s.processes[2:])
 	action := &simAction{process: process}
 	s.report.Counts.WorkerPasses++
+	if process.kind == "relay" && s.chance(0.25) {
+		action.what = "reconcileOnce"
+		return s.start(ctx, action, func(ctx context.Context) {
+			n, err := s.app.reconcileOnce(ctx, process.name, 4)
+			action.result = workerResult(n, "republished", err)
+			action.err = err
+		})
+	}
 	if process.kind == "relay" {
 		action.what = "relayOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
@@ -1447,8 +1459,13 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 		return fmt.Errorf("audit: %w", err)
 	}
 	violations = s.withoutSetAside(violations)
-	if len(violations) > 0 {
-		return s.fail("invariant broken: %s: %s", violations[0].Invariant, violations[0].Detail)
+	for _, v := range violations {
+		if v.Invariant == undeliveredInvariant {
+			// The clock jumps a day between two worker passes here:
+			// checked once quiet (see invariant.publishedBefore).
+			continue
+		}
+		return s.fail("invariant broken: %s: %s", v.Invariant, v.Detail)
 	}
 	return s.checkSetAside(ctx)
 }
@@ -1489,9 +1506,10 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 		}
 	}
+	waitedForDelivery := false
 	for round := 0; ; round++ {
 		if round == 50 {
-			return s.fail("the system did not settle after 50 rounds")
+			return s.fail("the system did not settle after 50 rounds%s", s.whyUnsettled(ctx))
 		}
 		busy := false
 		for _, client := range s.clients {
@@ -1517,11 +1535,14 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			return err
 		}
 		busy = busy || repaired
-		if !busy {
+		if !busy && waitedForDelivery {
 			break
 		}
-		// Past every lease and backoff: a round with nothing due must mean
-		// nothing is left, not that it waits for a later time.
+		// Past every lease and backoff, and the reconciler's bound: a round
+		// with nothing due must mean nothing is left, not that it waits for
+		// a later time. A message the broker lost shows only once the bound
+		// has passed: one more round after an idle one.
+		waitedForDelivery = !busy
 		s.clock.advance(s.pastEveryWait())
 	}
 	violations, err := s.auditor.audit(ctx, s.clock.now(), true)
@@ -1539,8 +1560,8 @@ func (s *simulation) quiesce(ctx context.Context) error {
 
 // pastEveryWait is a time longer than any lease or backoff of the App: the
 // longest wait of the relay, of a consumer's redelivery and of a saga (each
-// backoff at its cap, which a millionth failure has reached), and every
-// lease; plus a minute.
+// backoff at its cap, which a millionth failure has reached), every lease
+// and the reconciler's bound; plus a minute.
 func (s *simulation) pastEveryWait() time.Duration {
 	const capped = 1 << 20
 	leases := s.app.leases
@@ -1548,7 +1569,18 @@ func (s *simulation) pastEveryWait() time.Duration {
 		relayBackoff(leases.publishBackoff, capped),
 		consumeBackoff(capped),
 		sagaBackoff(capped),
-		leases.relay, leases.ackWait, leases.saga, leases.refundLock)
+		leases.relay, leases.ackWait, leases.saga, leases.refundLock, leases.deliver)
+}
+
+// whyUnsettled returns ": " and the first promise of a quiet system that
+// does not hold yet, or nothing: what kept the system from settling (an
+// order stuck created has its clients ask for refunds for ever).
+func (s *simulation) whyUnsettled(ctx context.Context) string {
+	violations, err := s.auditor.audit(ctx, s.clock.now(), true)
+	if err != nil || len(violations) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(": %s: %s", violations[0].Invariant, violations[0].Detail)
 }
 
 // refusedOnPurpose reports whether v is the poison record of an event the
@@ -1770,11 +1802,11 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 					fmt.Fprintf(out, "seed %d: %d steps, %d requests (%d retries, %d refunds, %d webhooks, %d hostile), "+
 						"%d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, %d lost responses, "+
 						"%d database outages (%d commits whose answer was lost, %d answers 503), "+
-						"%d batches delivered out of order, %d lost acks, %d publishes sent twice, "+
+						"%d batches delivered out of order, %d lost acks, %d publishes sent twice, %d acknowledged messages lost, "+
 						"%s%s: ok\n",
 						report.Seed, report.Steps, c.Requests, c.Retries, c.Refunds, c.Webhooks, c.Hostile,
 						c.WorkerPasses, c.Suspensions, c.Pauses, c.Crashes, c.ClockJumps, c.LostResponses,
-						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes, c.structures(),
+						c.Outages, c.LostCommits, c.Answers503, c.Reorders, c.LostAcks, c.DuplicatePublishes, c.LostMessages, c.structures(),
 						c.summary(isPostgresURL(dbPath)))
 					fmt.Fprintf(out, "  %s\n", c.Repairs)
 				}
@@ -1782,11 +1814,11 @@ and step, and 'retrysafe simulate --seed N --trace' replays it.`,
 			elapsed := time.Since(start)
 			fmt.Fprintf(out, "%d seeds from %d passed: %d steps in %s (%.0f steps/s, %.0f seeds/min); "+
 				"%d requests, %d worker passes, %d waits at fault points, %d pauses past a lease, %d crashes, %d clock jumps, "+
-				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks, %s%s\n",
+				"%d database outages, %d lost commit answers, %d batches out of order, %d lost acks, %d acknowledged messages lost, %s%s\n",
 				seeds, seed, totalSteps, elapsed.Round(time.Millisecond),
 				float64(totalSteps)/elapsed.Seconds(), float64(seeds)/elapsed.Minutes(),
 				total.Requests, total.WorkerPasses, total.Suspensions, total.Pauses, total.Crashes, total.ClockJumps,
-				total.Outages, total.LostCommits, total.Reorders, total.LostAcks, total.structures(),
+				total.Outages, total.LostCommits, total.Reorders, total.LostAcks, total.LostMessages, total.structures(),
 				total.summary(isPostgresURL(dbPath)))
 			fmt.Fprintf(out, "  %s\n", total.Repairs)
 			return nil

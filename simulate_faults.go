@@ -386,6 +386,26 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 		b.s.tracef("the broker gets %d messages twice (%s...)", len(msgs), msgs[0].ID)
 		return b.messageBroker.publishBatch(ctx, msgs)
 	}
+	if !b.s.quiescing && len(msgs) > 0 && b.s.chance(0.05) {
+		return b.loseAcknowledged(ctx)
+	}
+	return nil
+}
+
+// loseAcknowledged makes the broker lose a message it acknowledged and no
+// subscriber has acked yet, as JetStream does when its host crashes before
+// it flushed (broker_loss.go): the relay marks the event published, and
+// only the reconciler can tell that nobody applied it. Through the
+// simulator's own handle: the loss is the broker's, no outage stops it.
+func (b *simBroker) loseAcknowledged(ctx context.Context) error {
+	lost, err := loseEmbeddedMessages(ctx, b.s.direct, 1, b.s.rng.IntN)
+	if err != nil {
+		return fmt.Errorf("lose a message: %w", err)
+	}
+	for _, id := range lost {
+		b.s.report.Counts.LostMessages++
+		b.s.tracef("the broker loses %s, which it acknowledged", id)
+	}
 	return nil
 }
 

@@ -66,13 +66,15 @@ func soakDuration(tb testing.TB) time.Duration {
 
 // withSoakFaults adds to cfg the faults only the soak has time for: pauses
 // past every lease, a database outage longer than MaxDeliver x AckWait, a
-// clock jump past the key TTL (with expired keys reused), and a worker
-// whose clock runs ahead. Each of them stalls the load for seconds.
+// clock jump past the key TTL (with expired keys reused), a worker whose
+// clock runs ahead, and a broker that loses messages it acknowledged (the
+// reconciler republishes them). Each of them stalls the load for seconds.
 func withSoakFaults(cfg chaosConfig) chaosConfig {
 	cfg.Pauses = 8
 	cfg.Outages = 1
 	cfg.ClockJumps = 1
 	cfg.ClockSkew = 3 * time.Second
+	cfg.BrokerLosses = 10
 	return cfg
 }
 

@@ -210,10 +210,12 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 		publishedAt, lastError           sql.NullString
 		brokerSeq, duplicates            sql.NullInt64
 		brokerPublishedAt                sql.NullString
+		republishes                      int64
+		republishedAt, deliveredAt       sql.NullString
 	}
 	rows, err := db.QueryContext(ctx, `
 		SELECT e.seq, e.event_id, e.event_type, e.status, e.created_at, e.attempts, e.published_at, e.last_error,
-		       m.seq, m.duplicates, m.published_at
+		       m.seq, m.duplicates, m.published_at, e.republishes, e.republished_at, e.delivered_at
 		FROM outbox_events e LEFT JOIN broker_messages m ON m.message_id = e.event_id
 		WHERE e.aggregate_id = ? ORDER BY e.seq`, t.orderID)
 	if err != nil {
@@ -223,7 +225,7 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 	for rows.Next() {
 		var e event
 		if err := rows.Scan(&e.seq, &e.id, &e.eventType, &e.status, &e.createdAt, &e.attempts, &e.publishedAt, &e.lastError,
-			&e.brokerSeq, &e.duplicates, &e.brokerPublishedAt); err != nil {
+			&e.brokerSeq, &e.duplicates, &e.brokerPublishedAt, &e.republishes, &e.republishedAt, &e.deliveredAt); err != nil {
 			rows.Close()
 			return fmt.Errorf("read outbox events: %w", err)
 		}
@@ -256,11 +258,59 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 		} else {
 			t.add(e.createdAt, phase, traceRelay, traceRelay, "outbox seq %d not published: %s after %d attempts %s", e.seq, e.status, e.attempts, e.lastError.String)
 		}
+		if e.republishes > 0 {
+			// Only the last republish has a time.
+			t.add(e.republishedAt.String, phase, traceRelay, traceBroker,
+				"republished %s, undelivered after %s (%d in all)", e.id, deliveryBound, e.republishes)
+		}
 		if err := t.addDeliveries(ctx, db, phase, e.id, e.brokerSeq); err != nil {
 			return err
 		}
+		if e.publishedAt.Valid {
+			if err := t.addDelivery(ctx, db, phase, e.id, e.eventType, e.publishedAt.String, e.deliveredAt); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
+}
+
+// addDelivery adds whether a published event is delivered: in the inbox
+// of every consumer of its subject (deliver.go), or which ones it is
+// missing from.
+func (t *orderTrace) addDelivery(ctx context.Context, db *sql.DB, phase int, eventID, eventType, publishedAt string, deliveredAt sql.NullString) error {
+	var consumers, missing []string
+	for _, target := range deliveryTargets() {
+		if target.subject != eventType {
+			continue
+		}
+		consumers = append(consumers, target.consumer)
+		var rows int
+		err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND message_id = ?`,
+			target.consumer, eventID).Scan(&rows)
+		if err != nil {
+			return fmt.Errorf("read inbox: %w", err)
+		}
+		if rows == 0 {
+			missing = append(missing, target.consumer)
+		}
+	}
+	switch {
+	case deliveredAt.Valid:
+		t.add(deliveredAt.String, phase, traceRelay, traceRelay, "%s delivered: in the inbox of %s", eventID, consumerList(consumers))
+	case len(missing) > 0:
+		t.addUntimed(publishedAt, "not delivered: placed at the publish", phase, traceRelay, traceRelay,
+			"%s not delivered yet: not in the inbox of %s", eventID, consumerList(missing))
+	}
+	return nil
+}
+
+// consumerList names consumers for a trace line; "no consumer" if none.
+func consumerList(consumers []string) string {
+	if len(consumers) == 0 {
+		return "no consumer (none subscribes to it)"
+	}
+	return strings.Join(consumers, ", ")
 }
 
 // inboxName is the participant for a consumer's inbox.

@@ -1,0 +1,285 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func TestDelivery(t *testing.T) {
+	ctx := context.Background()
+	first := func(int) int { return 0 }
+
+	// Ensure a message the broker lost after acknowledging it is published
+	// again once the delivery bound passes, and applied once: the order
+	// settles instead of staying created for ever.
+	t.Run("MessageTheBrokerLostIsRepublishedAndAppliedOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if n, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("relay published %d, %v, want 1", n, err)
+		}
+		lost, err := loseEmbeddedMessages(ctx, env.app.db, 1, first)
+		if err != nil || len(lost) != 1 {
+			t.Fatalf("the broker lost %v, %v, want the OrderCreated", lost, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "created" {
+			t.Fatalf("before the bound the order is %s, want created (nothing delivered it)", got)
+		}
+		env.clock.advance(deliveryBound)
+		republished, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize)
+		if err != nil || republished != 1 {
+			t.Fatalf("reconciler republished %d, %v, want 1", republished, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "paid" {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
+			t.Fatalf("got %d charges, want 1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE delivered_at IS NULL`); got != 0 {
+			t.Fatalf("got %d events not marked delivered, want 0", got)
+		}
+		mustAudit(t, env, true)
+	})
+
+	// Ensure trace and inspect show an event's delivery per consumer: which
+	// inbox it is missing from, its republish, and when it was delivered.
+	t.Run("TraceAndInspectShowDeliveryPerConsumer", func(t *testing.T) {
+		env := MustOpenApp(t)
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		shown := func() (string, string) {
+			trace, err := traceOrder(ctx, env.app.db, order)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var traced, inspected strings.Builder
+			if err := printTrace(&traced, trace); err != nil {
+				t.Fatal(err)
+			}
+			if err := inspect(ctx, env.app.db, &inspected, inspectOptions{view: inspectWide, orderID: order}); err != nil {
+				t.Fatal(err)
+			}
+			return traced.String(), inspected.String()
+		}
+		traced, inspected := shown()
+		if !strings.Contains(traced, "not delivered yet: not in the inbox of "+paymentServiceConsumer) {
+			t.Errorf("trace of a lost OrderCreated does not name the inbox it is missing from:\n%s", traced)
+		}
+		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+missing\s+0`).MatchString(inspected) {
+			t.Errorf("inspect does not show the OrderCreated missing from %s's inbox:\n%s", paymentServiceConsumer, inspected)
+		}
+		env.clock.advance(deliveryBound)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.drain(t)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		traced, inspected = shown()
+		for _, want := range []string{"undelivered after 5m0s (1 in all)", "delivered: in the inbox of " + paymentServiceConsumer} {
+			if !strings.Contains(traced, want) {
+				t.Errorf("trace does not say %q:\n%s", want, traced)
+			}
+		}
+		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+done\s+1\s+20`).MatchString(inspected) {
+			t.Errorf("inspect does not show the OrderCreated applied by %s after one republish:\n%s", paymentServiceConsumer, inspected)
+		}
+	})
+
+	// Ensure a consumer that is merely slow gets no copy before the bound,
+	// and a delivered event none after it.
+	t.Run("DeliveredOrSlowEventsAreNotRepublished", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound - time.Second)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("before the bound the reconciler republished %d, %v, want 0", n, err)
+		}
+		env.drain(t)
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("the reconciler republished %d delivered events, %v, want 0", n, err)
+		}
+		if got := env.count(t, `SELECT COALESCE(SUM(duplicates), 0) FROM broker_messages`); got != 0 {
+			t.Fatalf("the broker absorbed %d copies, want none sent", got)
+		}
+	})
+
+	// Ensure an event one consumer applied and another never got is
+	// published again: the second applies it once, the first's inbox
+	// absorbs the copy.
+	t.Run("EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt", func(t *testing.T) {
+		env := MustOpenApp(t)
+		// A second consumer of OrderCreated, as an analytics service
+		// would be.
+		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}}
+		applied := 0
+		analytics.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+			applied++
+			return nil
+		}
+		env.app.deliveryTargets = append(env.app.deliveryTargets, deliveryTarget{subject: eventOrderCreated, consumer: analytics.name})
+		if err := env.app.broker.subscribe(ctx, analytics.name, analytics.subjects...); err != nil {
+			t.Fatal(err)
+		}
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		env.drain(t) // the payment service applies it, analytics never runs
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want the OrderCreated analytics missed", n, err)
+		}
+		for range 2 {
+			if _, err := env.app.consumeOnce(ctx, analytics, consumeBatchSize); err != nil {
+				t.Fatal(err)
+			}
+		}
+		env.drain(t)
+		if applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		}
+		if got := env.count(t, `SELECT duplicates FROM inbox_messages i JOIN outbox_events e ON e.event_id = i.message_id
+			WHERE i.consumer = ? AND e.aggregate_id = ? AND e.event_type = 'OrderCreated'`, paymentServiceConsumer, order); got != 1 {
+			t.Fatalf("the payment service's inbox absorbed %d copies, want 1", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
+			t.Fatalf("got %d charges, want 1", got)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("once both applied it the reconciler republished %d, %v, want 0", n, err)
+		}
+	})
+
+	// Ensure two relays never republish one event in one sweep, and that a
+	// relay paused past its lease cannot record a republish of an event
+	// that a relay under the same name (a restarted process) claimed since
+	// and is republishing: its write carries the claim's token, which the
+	// other claim replaced. Without the token in the WHERE, A's record took
+	// B's claim away and B's record, the one that counts, matched nothing.
+	t.Run("PausedRelayCannotRecordARepublishAnotherClaimed", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound)
+		concurrent := -1
+		bPublished, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan int, 1)
+		// A test that fails while B is held still lets B go.
+		releaseB := sync.OnceFunc(func() { close(resumeB) })
+		t.Cleanup(releaseB)
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			switch {
+			case workerOf(ctx) == "A" && point == faultPublish:
+				// A holds the claim: B finds nothing to take.
+				n, err := env.app.reconcileOnce(withWorker(ctx, "B"), "relay", relayBatchSize)
+				if err != nil {
+					return err
+				}
+				concurrent = n
+				// A is paused past its lease; B takes the event over.
+				env.clock.advance(env.app.leases.relay + time.Second)
+				go func() {
+					n, err := env.app.reconcileOnce(withWorker(ctx, "B"), "relay", relayBatchSize)
+					if err != nil {
+						t.Error(err)
+					}
+					bDone <- n
+				}()
+				mustReceive(t, "relay B to take the event over and republish it", bPublished)
+			case workerOf(ctx) == "B" && point == faultAfterPublish:
+				close(bPublished)
+				_, err := await("the test to let relay B record its republish", resumeB)
+				return err
+			}
+			return nil
+		})
+		recordedByA, err := env.app.reconcileOnce(withWorker(ctx, "A"), "relay", relayBatchSize)
+		if err != nil {
+			t.Fatal(err)
+		}
+		releaseB()
+		recordedByB := mustReceive(t, "relay B to finish", bDone)
+		if concurrent != 0 || recordedByA != 0 || recordedByB != 1 {
+			t.Fatalf("B republished %d while A held the claim; A recorded %d, B %d after taking it over; want 0, 0, 1",
+				concurrent, recordedByA, recordedByB)
+		}
+		if got := env.count(t, `SELECT republishes FROM outbox_events WHERE claimed_by IS NULL`); got != 1 {
+			t.Fatalf("the event records %d republishes, want 1 (B's), and no claim left", got)
+		}
+		env.fault.set(nil)
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
+	// Ensure cleanup records an event's delivery before it deletes the
+	// inbox rows that prove it: without, an event applied a week ago, whose
+	// delivery no sweep had recorded, was reported undelivered for ever and
+	// kept.
+	t.Run("CleanupRecordsDeliveryBeforeDeletingItsProof", func(t *testing.T) {
+		env := MustOpenApp(t)
+		createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.db.Exec(`UPDATE outbox_events SET delivered_at = NULL`); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 0 {
+			t.Errorf("cleanup kept %d delivered events, want 0", got)
+		}
+		mustAudit(t, env, true)
+	})
+
+	// Ensure a republish the broker refuses leaves the event claimed and
+	// undelivered, and the next sweep after the lease tries again.
+	t.Run("RefusedRepublishIsTriedAgain", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound)
+		env.fault.failAt(faultPublish, errors.New("broker unreachable"), 1)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("got %d, %v, want 0 republished, and no error: the broker refused, the sweep did not fail", n, err)
+		}
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("within the claim's lease: got %d, %v, want 0", n, err)
+		}
+		env.clock.advance(env.app.leases.relay)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("got %d, %v, want 1 republished", n, err)
+		}
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+}
