@@ -178,6 +178,14 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:    "CleanupDeletesPoisonRecords",
+			catcher: "TestInboxReplay/PoisonMessageOutlivesTheRetention",
+			fault:   "review: cleanup deletes old poison records too, and with them the only trace of a message an operator must replay",
+			edits: []mutationEdit{
+				{"cleanup.go", "FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?", "FROM inbox_messages WHERE processed_at <= ? LIMIT ?"},
+			},
+		},
+		{
 			name:    "ReconcilerOff",
 			catcher: "TestDelivery/MessageTheBrokerLostIsRepublishedAndAppliedOnce",
 			fault:   "retrysafe: the broker's acknowledgement ends an event's life; a message the broker lost after acknowledging it leaves its order created for ever",
