@@ -432,6 +432,36 @@ func TestEmbeddedBroker(t *testing.T) {
 	// Ensure a consumer paused past ackWait, whose message another consumer
 	// has fetched since, can neither ack nor nak the other's delivery (the
 	// delivery count fences both), and the other's ack stands.
+	// Ensure a consumer that recorded a message poison and had not acked it
+	// yet when an operator replayed it cannot ack the replay away: the
+	// replayed message is delivered again (simulator seed 24 of the merged
+	// reconciler: an order left created).
+	t.Run("StaleHolderCannotAckAReplayAway", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		stale, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
+		if err != nil || len(stale) != 1 {
+			t.Fatalf("fetched %v, %v", stale, err)
+		}
+		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
+			paymentServiceConsumer, stale[0].ID, formatTime(env.clock.now())); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.app.broker.ack(ctx, stale[0]); !errors.Is(err, errDeliveryLeaseLost) {
+			t.Fatalf("the stale ack after the replay got %v, want errDeliveryLeaseLost", err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+			t.Fatalf("order is %s after the replay, want paid", got)
+		}
+	})
+
 	t.Run("StaleHolderCannotAckOrNakTheNextDelivery", func(t *testing.T) {
 		env := MustOpenApp(t)
 		broker := env.app.broker

@@ -392,9 +392,11 @@ func replaySource(ctx context.Context, tx *sql.Tx, messageID string) (message, e
 // replay queues msg for subscriber again, in tx: the embedded broker lives
 // in the App's database (newApp), so the replay commits, or rolls back,
 // with the repair. The subscriber's delivery goes back to pending, due now,
-// and keeps its delivery_count, which only grows: it is the fencing token
-// of ack and nak. replayID is not needed: a delivery is keyed by
-// subscriber and message.
+// and its delivery_count, the fencing token of ack and nak, goes up by one:
+// a consumer that still holds the delivery from before the replay (it
+// recorded the message poison and has not acked yet) cannot ack the replay
+// away. replayID is not needed: a delivery is keyed by subscriber and
+// message.
 //
 // Returns errRepairRefused if the broker holds no copy of msg: cleanup
 // deleted it, or the workers use NATS JetStream and this process was not
@@ -405,7 +407,8 @@ func (b *embeddedBroker) replay(ctx context.Context, tx *sql.Tx, subscriber stri
 		INSERT INTO broker_deliveries (subscriber, message_seq, status, visible_at)
 		SELECT ?, seq, 'pending', ? FROM broker_messages WHERE message_id = ?
 		ON CONFLICT (subscriber, message_seq) DO UPDATE
-		SET status = 'pending', visible_at = excluded.visible_at, acked_at = NULL`,
+		SET status = 'pending', visible_at = excluded.visible_at, acked_at = NULL,
+		    delivery_count = broker_deliveries.delivery_count + 1`,
 		subscriber, formatTime(b.now()), msg.ID)
 	if err != nil {
 		return fmt.Errorf("deliver %s to %s again: %w", terminalSafe(msg.ID), subscriber, err)
