@@ -13,7 +13,8 @@ import (
 // Retention of delivered messages. An inbox row must outlive every possible
 // redelivery of its message, or a late duplicate would be applied again:
 // the broker redelivers within maxDeliveries*ackWait (minutes), so a week is
-// far beyond it. A message that is poison for a consumer is kept however
+// far beyond it; and a row whose delivery the embedded broker still holds
+// unacked is kept however old. A message that is poison for a consumer is kept however
 // old (its event and the broker's copy): an operator's replay needs it.
 const (
 	messageRetention = 7 * 24 * time.Hour
@@ -76,7 +77,14 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	}
 	result.InboxMessages, err = a.deleteInBatches(ctx, `
 		DELETE FROM inbox_messages WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?)`, retainedSince)
+			SELECT consumer, message_id FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?
+			  -- Never while the embedded broker still delivers the message
+			  -- to that consumer (its ack was lost): the row is what makes
+			  -- the redelivery a duplicate.
+			  AND NOT EXISTS (
+			    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq
+			    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')
+			LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete old inbox rows: %w", err)
 	}

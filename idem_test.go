@@ -324,6 +324,37 @@ func TestCleanup(t *testing.T) {
 	})
 }
 
+// Ensure cleanup keeps an inbox row, however old, while the broker still
+// delivers its message to that consumer (the ack was lost, and the
+// consumer has not run since): the redelivery is then skipped as the
+// duplicate it is, not applied again or made poison (simulator seed 1375:
+// a PaymentCaptured of a paid order, poison for good).
+func TestCleanupKeepsTheInboxRowOfAPendingDelivery(t *testing.T) {
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	orderID := createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+	eventID := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ? AND event_type = ?`, orderID, eventPaymentCaptured)
+	// The ack was lost: the delivery is pending again.
+	if _, err := env.app.db.Exec(`
+		UPDATE broker_deliveries SET status = 'pending', acked_at = NULL
+		WHERE subscriber = ? AND message_seq = (SELECT seq FROM broker_messages WHERE message_id = ?)`,
+		orderServiceConsumer, eventID); err != nil {
+		t.Fatal(err)
+	}
+	env.clock.advance(messageRetention + time.Hour)
+	if _, err := env.app.cleanupOnce(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND message_id = ?`, orderServiceConsumer, eventID); got != 1 {
+		t.Fatalf("cleanup deleted the inbox row of a message still being delivered")
+	}
+	env.drain(t)
+	if got := env.str(t, `SELECT status FROM inbox_messages WHERE consumer = ? AND message_id = ?`, orderServiceConsumer, eventID); got != "done" {
+		t.Fatalf("the redelivery made the row %s, want it skipped as a duplicate", got)
+	}
+	mustAuditClean(t, env, true)
+}
+
 func TestIdempotencyKeyExpiry(t *testing.T) {
 	// Ensure a clock that jumps past the TTL while an order is being
 	// created changes no answer: the request gets its 201 and a retry right

@@ -182,7 +182,7 @@ func mutations() []mutation {
 			catcher: "TestInboxReplay/PoisonMessageOutlivesTheRetention",
 			fault:   "review: cleanup deletes old poison records too, and with them the only trace of a message an operator must replay",
 			edits: []mutationEdit{
-				{"cleanup.go", "FROM inbox_messages WHERE status = 'done' AND processed_at <= ? LIMIT ?", "FROM inbox_messages WHERE processed_at <= ? LIMIT ?"},
+				{"cleanup.go", "FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?", "FROM inbox_messages i WHERE processed_at <= ?"},
 			},
 		},
 		{
