@@ -64,12 +64,6 @@ const (
 	// gets each copy). A shorter bound finds a loss sooner and sends more
 	// copies that were not needed.
 	deliveryBound = 5 * time.Minute
-	// redeliveryHorizon is how old an undelivered event may be and still
-	// be published again: a day short of messageRetention, after which
-	// cleanup deletes the inbox rows that make a copy harmless (an inbox
-	// row may be a little older than its event's published_at: a consumer
-	// can apply a message before its relay marks it published).
-	redeliveryHorizon = messageRetention - 24*time.Hour
 )
 
 // leaseTimes are how long a worker owns what it claimed. Production uses

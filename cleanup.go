@@ -84,6 +84,9 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 			  AND NOT EXISTS (
 			    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq
 			    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')
+			  -- Nor while its event is not delivered to every consumer: the
+			  -- reconciler's copy must be a duplicate to this one.
+			  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = i.message_id AND e.delivered_at IS NULL)
 			LIMIT ?)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete old inbox rows: %w", err)

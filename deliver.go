@@ -89,11 +89,9 @@ func undeliveredSQL(targets []deliveryTarget) string {
 // republish one event in one sweep, and a relay paused past its lease
 // finds its record refused (recordRepublished) once another relay has
 // claimed the event since. Its copy went out anyway, which is harmless:
-// the same message id, absorbed like every copy.
-//
-// Events published more than redeliveryHorizon ago are left alone: by then
-// cleanup may have deleted the inbox rows that say they were applied, and
-// a copy would be applied again. check reports them.
+// the same message id, absorbed like every copy. However old the event,
+// the copy is harmless: cleanup keeps the inbox rows of an event that is
+// not delivered.
 func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int, error) {
 	if err := a.markDelivered(ctx); err != nil {
 		return 0, err
@@ -172,7 +170,6 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				  -- Past the bound since the last publish: a consumer that is
 				  -- merely behind gets no copy.
 				  AND COALESCE(e.republished_at, e.published_at) <= ?
-				  AND e.published_at > ?
 				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
 				  AND `+undeliveredSQL(a.deliveryTargets)+`
 				-- The index's order: ORDER BY seq made SQLite read the
@@ -181,7 +178,7 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, republishes, lease_token, traceparent, tracestate`,
 			relayID, formatTime(now.Add(a.leases.relay)),
-			formatTime(now.Add(-a.leases.deliver)), formatTime(now.Add(-redeliveryHorizon)), formatTime(now), limit)
+			formatTime(now.Add(-a.leases.deliver)), formatTime(now), limit)
 		if err != nil {
 			return fmt.Errorf("claim undelivered events: %w", err)
 		}

@@ -171,6 +171,48 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure a message the broker lost while every relay was down for over
+	// a week is still published again when they come back, and is still a
+	// duplicate to the consumer that applied it: cleanup kept that
+	// consumer's inbox row, because the event was not delivered to all.
+	t.Run("LostMessageIsRepublishedAWeekLater", func(t *testing.T) {
+		env := MustOpenApp(t)
+		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}}
+		applied := 0
+		analytics.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+			applied++
+			return nil
+		}
+		env.app.deliveryTargets = append(env.app.deliveryTargets, deliveryTarget{subject: eventOrderCreated, consumer: analytics.name})
+		if err := env.app.broker.subscribe(ctx, analytics.name, analytics.subjects...); err != nil {
+			t.Fatal(err)
+		}
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		env.drain(t) // the payment service applies it, analytics never runs
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("a week later the reconciler republished %d, %v, want the OrderCreated analytics missed", n, err)
+		}
+		for range 2 {
+			if _, err := env.app.consumeOnce(ctx, analytics, consumeBatchSize); err != nil {
+				t.Fatal(err)
+			}
+		}
+		env.drain(t)
+		if applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
+			t.Fatalf("got %d charges, want 1: the payment service applied the copy again", got)
+		}
+	})
+
 	// Ensure two relays never republish one event in one sweep, and that a
 	// relay paused past its lease cannot record a republish of an event
 	// that a relay under the same name (a restarted process) claimed since
