@@ -128,18 +128,7 @@ func TestDelivery(t *testing.T) {
 	// absorbs the copy.
 	t.Run("EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt", func(t *testing.T) {
 		env := MustOpenApp(t)
-		// A second consumer of OrderCreated, as an analytics service
-		// would be.
-		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}}
-		applied := 0
-		analytics.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
-			applied++
-			return nil
-		}
-		env.app.deliveryTargets = append(env.app.deliveryTargets, deliveryTarget{subject: eventOrderCreated, consumer: analytics.name})
-		if err := env.app.broker.subscribe(ctx, analytics.name, analytics.subjects...); err != nil {
-			t.Fatal(err)
-		}
+		analytics, applied := subscribeAnalytics(t, env)
 		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
 		env.drain(t) // the payment service applies it, analytics never runs
 		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
@@ -155,8 +144,8 @@ func TestDelivery(t *testing.T) {
 			}
 		}
 		env.drain(t)
-		if applied != 1 {
-			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		if *applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", *applied)
 		}
 		if got := env.count(t, `SELECT duplicates FROM inbox_messages i JOIN outbox_events e ON e.event_id = i.message_id
 			WHERE i.consumer = ? AND e.aggregate_id = ? AND e.event_type = 'OrderCreated'`, paymentServiceConsumer, order); got != 1 {
@@ -177,16 +166,7 @@ func TestDelivery(t *testing.T) {
 	// consumer's inbox row, because the event was not delivered to all.
 	t.Run("LostMessageIsRepublishedAWeekLater", func(t *testing.T) {
 		env := MustOpenApp(t)
-		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}}
-		applied := 0
-		analytics.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
-			applied++
-			return nil
-		}
-		env.app.deliveryTargets = append(env.app.deliveryTargets, deliveryTarget{subject: eventOrderCreated, consumer: analytics.name})
-		if err := env.app.broker.subscribe(ctx, analytics.name, analytics.subjects...); err != nil {
-			t.Fatal(err)
-		}
+		analytics, applied := subscribeAnalytics(t, env)
 		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
 		env.drain(t) // the payment service applies it, analytics never runs
 		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
@@ -205,8 +185,8 @@ func TestDelivery(t *testing.T) {
 			}
 		}
 		env.drain(t)
-		if applied != 1 {
-			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		if *applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", *applied)
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
 			t.Fatalf("got %d charges, want 1: the payment service applied the copy again", got)
@@ -324,4 +304,22 @@ func TestDelivery(t *testing.T) {
 		env.drain(t)
 		mustAudit(t, env, true)
 	})
+}
+
+// subscribeAnalytics adds a second consumer of OrderCreated, as an
+// analytics service would be, that the reconciler waits for; it counts
+// what it applies.
+func subscribeAnalytics(t *testing.T, env *testEnv) (consumer, *int) {
+	t.Helper()
+	analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}}
+	applied := new(int)
+	analytics.apply = func(ctx context.Context, tx *sql.Tx, msg message) error {
+		*applied++
+		return nil
+	}
+	env.app.deliveryTargets = append(env.app.deliveryTargets, deliveryTarget{subject: eventOrderCreated, consumer: analytics.name})
+	if err := env.app.broker.subscribe(context.Background(), analytics.name, analytics.subjects...); err != nil {
+		t.Fatal(err)
+	}
+	return analytics, applied
 }
