@@ -984,19 +984,24 @@ func historySizes(largest int) []int {
 func fillPublished(b *testing.B, app *App, history, inFlight int) {
 	b.Helper()
 	now := formatTime(app.now())
-	statements := []string{
-		`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+	// Each statement takes only the parameters it uses: PostgreSQL refuses
+	// a parameter it cannot type.
+	statements := []struct {
+		sql   string
+		count int
+	}{
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at, delivered_at)
-		 SELECT 'evt_bench_' || n, 'OrderCreated', 'ord_bench_' || n, '{"n":' || n || '}', 'published', ?3, ?3, ?3, ?3 FROM i`,
-		`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
+		 SELECT 'evt_bench_' || n, 'OrderCreated', 'ord_bench_' || n, '{"n":' || n || '}', 'published', ?2, ?2, ?2, ?2 FROM i`, history},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 		 INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
-		 SELECT 'payment-svc', 'evt_bench_' || n, 'done', 1, ?3 FROM i`,
-		`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?2)
+		 SELECT 'payment-svc', 'evt_bench_' || n, 'done', 1, ?2 FROM i`, history},
+		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
-		 SELECT 'evt_flight_' || n, 'OrderCreated', 'ord_flight_' || n, '{"n":' || n || '}', 'published', ?3, ?3, ?3 FROM i`,
+		 SELECT 'evt_flight_' || n, 'OrderCreated', 'ord_flight_' || n, '{"n":' || n || '}', 'published', ?2, ?2, ?2 FROM i`, inFlight},
 	}
 	for _, statement := range statements {
-		if _, err := app.db.Exec(statement, history, inFlight, now); err != nil {
+		if _, err := app.db.Exec(statement.sql, statement.count, now); err != nil {
 			b.Fatal(err)
 		}
 	}
