@@ -118,18 +118,35 @@ func openNATSBroker(ctx context.Context, url, stream string, ackWait time.Durati
 	if natsServerCount(url, conn) >= natsClusterReplicas {
 		replicas = natsClusterReplicas
 	}
-	_, err = js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
-		Name:       stream,
+	if err := b.ensureStream(ctx, replicas); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+// ensureStream creates the stream with replicas copies, or updates an
+// existing one to our configuration, never lowering its replicas: a
+// process given one URL of a cluster, or connecting before the cluster has
+// told it of the other servers, counts one server, and its update must not
+// scale a stream of three copies down to one.
+func (b *natsBroker) ensureStream(ctx context.Context, replicas int) error {
+	if existing, err := b.js.Stream(ctx, b.stream); err == nil {
+		replicas = max(replicas, existing.CachedInfo().Config.Replicas)
+	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("read stream %s: %w", b.stream, err)
+	}
+	_, err := b.js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:       b.stream,
 		Subjects:   []string{b.prefix + ".>"},
 		Storage:    jetstream.FileStorage,
 		Duplicates: natsDuplicateWindow,
 		Replicas:   replicas,
 	})
 	if err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("create stream %s: %w", stream, err)
+		return fmt.Errorf("create stream %s: %w", b.stream, err)
 	}
-	return b, nil
+	return nil
 }
 
 // natsServerCount returns how many servers the client knows of: those url

@@ -619,6 +619,21 @@ func TestNATSDurability(t *testing.T) {
 		if err != nil || len(warnings) != 0 {
 			t.Fatalf("got %v, %v; want no warning", warnings, err)
 		}
+
+		// Ensure a process that counts one server (given one URL, or
+		// connected before the cluster told it of the others) keeps
+		// the stream's three copies: its update must not scale it down
+		// to one, which would leave every message on one server.
+		if err := broker.ensureStream(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		info, err = cluster.streamInfo(ctx, "DURABILITY")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Config.Replicas != 3 {
+			t.Fatalf("after an update from a process that counted one server, the stream has %d replicas, want 3", info.Config.Replicas)
+		}
 	})
 }
 
