@@ -923,8 +923,8 @@ func fillHistory(tb testing.TB, db *sql.DB, rows int) {
 		 SELECT 'ord_hist_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa',
 		        'paid', 'hist-' || n, ?2, ?2 FROM i`, []any{rows, long}},
 		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
-		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
-		 SELECT 'evt_hist_' || n, 'OrderCreated', 'ord_hist_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`, []any{rows, long}},
+		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at, delivered_at)
+		 SELECT 'evt_hist_' || n, 'OrderCreated', 'ord_hist_' || n, '{}', 'published', ?2, ?2, ?2, ?2 FROM i`, []any{rows, long}},
 		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 		 INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
 		 SELECT 'saga_hist_' || n, 'ord_hist_' || n, 'completed', 'confirm', ?2, ?2, ?2 FROM i`, []any{rows, long}},

@@ -122,7 +122,9 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
 		return 0, err
 	}
-	return a.recordRepublished(ctx, relayID, events)
+	n, err := a.recordRepublished(ctx, relayID, events)
+	a.metrics.republished(n)
+	return n, err
 }
 
 // markDelivered sets delivered_at on every published event that each

@@ -50,6 +50,45 @@ func TestDelivery(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
+	// Ensure the metrics show a lost message: undelivered events and the
+	// age of the oldest, which grows past the bound until the reconciler
+	// publishes it again and the consumers apply it, and the republish
+	// counted by the process that made it.
+	t.Run("MetricsShowTheUndeliveredAndTheRepublished", func(t *testing.T) {
+		env := MustOpenApp(t)
+		m := env.app.enableMetrics()
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil {
+			t.Fatal(err)
+		}
+		env.drain(t)
+		env.clock.advance(deliveryBound)
+		published, err := time.Parse(timeFormat, env.str(t, `SELECT published_at FROM outbox_events`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkMetrics(t, gather(t, m), []metricCheck{
+			{"retrysafe_outbox_undelivered_events", nil, 1},
+			{"retrysafe_outbox_oldest_undelivered_age_seconds", nil, env.app.now().Sub(published).Seconds()},
+			{"retrysafe_outbox_republished_events_total", nil, 0},
+		})
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want 1", n, err)
+		}
+		env.drain(t)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		checkMetrics(t, gather(t, m), []metricCheck{
+			{"retrysafe_outbox_undelivered_events", nil, 0},
+			{"retrysafe_outbox_oldest_undelivered_age_seconds", nil, 0},
+			{"retrysafe_outbox_republished_events_total", nil, 1},
+		})
+	})
+
 	// Ensure trace and inspect show an event's delivery per consumer: which
 	// inbox it is missing from, its republish, and when it was delivered.
 	t.Run("TraceAndInspectShowDeliveryPerConsumer", func(t *testing.T) {

@@ -57,6 +57,7 @@ type metrics struct {
 
 	outboxPublishes      prometheus.Counter
 	outboxPublishRetries prometheus.Counter
+	outboxRepublished    prometheus.Counter
 	deliveries           *prometheus.CounterVec
 	redeliveries         *prometheus.CounterVec
 	inboxMessages        *prometheus.CounterVec
@@ -100,6 +101,10 @@ func newMetrics(database prometheus.Collector) *metrics {
 		outboxPublishRetries: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "retrysafe_outbox_publish_retries_total",
 			Help: "Failed publishes of an outbox event by this process's relay after which the event waits for another attempt.",
+		}),
+		outboxRepublished: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "retrysafe_outbox_republished_events_total",
+			Help: "Published events this process's reconciler published again because no consumer had applied them within the delivery bound: messages the broker lost, or a consumer never got.",
 		}),
 		deliveries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "retrysafe_broker_deliveries_total",
@@ -163,7 +168,7 @@ func newMetrics(database prometheus.Collector) *metrics {
 func (m *metrics) collectors(database prometheus.Collector) []prometheus.Collector {
 	return []prometheus.Collector{
 		database,
-		m.outboxPublishes, m.outboxPublishRetries,
+		m.outboxPublishes, m.outboxPublishRetries, m.outboxRepublished,
 		m.deliveries, m.redeliveries, m.inboxMessages,
 		m.compensations, m.sagasEnded, m.processorCalls, m.processorKeyHits,
 		m.idempotentReplays, m.requestDuration, m.orderCompletion,
@@ -205,6 +210,14 @@ func (m *metrics) publishRetried() {
 		return
 	}
 	m.outboxPublishRetries.Inc()
+}
+
+// republished counts n events the reconciler published again.
+func (m *metrics) republished(n int) {
+	if m == nil {
+		return
+	}
+	m.outboxRepublished.Add(float64(n))
 }
 
 // delivered counts the deliveries a consumer fetched, and those of them that
@@ -363,6 +376,11 @@ const (
 	scrapeOutboxOldestPending = `SELECT MIN(created_at) FROM outbox_events WHERE status = 'pending'`
 	// outbox_events_failed.
 	scrapeOutboxFailed = `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`
+	// outbox_events_undelivered, which the reconciler reads too: the
+	// events published and not yet seen in every consumer's inbox, and
+	// the oldest publish among them.
+	scrapeOutboxUndelivered = `SELECT COUNT(*), MIN(published_at) FROM outbox_events
+		WHERE status = 'published' AND delivered_at IS NULL`
 	// saga_instances_runnable, which the saga loop's claim reads too. The
 	// condition is the index's own, word for word: SQLite uses a partial
 	// index only for a query that says what the index says.
@@ -382,6 +400,7 @@ type dbCollector struct {
 	now func() time.Time
 
 	outboxPending, outboxOldestPending, outboxFailed, sagas *prometheus.Desc
+	outboxUndelivered, outboxOldestUndelivered              *prometheus.Desc
 }
 
 // newDBCollector returns a dbCollector that reads db, and measures ages by
@@ -396,6 +415,10 @@ func newDBCollector(db queryer, now func() time.Time) *dbCollector {
 			"Age of the oldest outbox event not yet published, 0 if none; read from the database.", nil, nil),
 		outboxFailed: prometheus.NewDesc("retrysafe_outbox_failed_events",
 			"Outbox events marked failed after their last publish attempt, each holding back its order's later events until an operator acts; read from the database.", nil, nil),
+		outboxUndelivered: prometheus.NewDesc("retrysafe_outbox_undelivered_events",
+			"Outbox events published and not yet in every consumer's inbox, as of the reconciler's last sweep (in flight, or lost by the broker); read from the database.", nil, nil),
+		outboxOldestUndelivered: prometheus.NewDesc("retrysafe_outbox_oldest_undelivered_age_seconds",
+			"Time since the oldest undelivered event was published, 0 if none; past the delivery bound the reconciler publishes it again, so an age well past it means delivery is stuck. Read from the database.", nil, nil),
 		sagas: prometheus.NewDesc("retrysafe_sagas",
 			"Fulfilment sagas not ended, by state (in_progress, compensating, compensation_failed), read from the database.", []string{"state"}, nil),
 	}
@@ -406,6 +429,8 @@ func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.outboxPending
 	ch <- c.outboxOldestPending
 	ch <- c.outboxFailed
+	ch <- c.outboxUndelivered
+	ch <- c.outboxOldestUndelivered
 	ch <- c.sagas
 }
 
@@ -416,7 +441,7 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), metricsQueryTimeout)
 	defer cancel()
 	if err := c.collectOutbox(ctx, ch); err != nil {
-		for _, desc := range []*prometheus.Desc{c.outboxPending, c.outboxOldestPending, c.outboxFailed} {
+		for _, desc := range []*prometheus.Desc{c.outboxPending, c.outboxOldestPending, c.outboxFailed, c.outboxUndelivered, c.outboxOldestUndelivered} {
 			ch <- prometheus.NewInvalidMetric(desc, err)
 		}
 	}
@@ -441,18 +466,37 @@ func (c *dbCollector) collectOutbox(ctx context.Context, ch chan<- prometheus.Me
 	if err := c.db.QueryRowContext(ctx, scrapeOutboxFailed).Scan(&failed); err != nil {
 		return fmt.Errorf("count failed outbox events: %w", err)
 	}
-	oldestAge := 0.0
-	if oldest.Valid {
-		created, err := time.Parse(timeFormat, oldest.String)
-		if err != nil {
-			return fmt.Errorf("oldest pending outbox event: %w", err)
-		}
-		oldestAge = max(c.now().Sub(created).Seconds(), 0)
+	var undelivered int64
+	var oldestPublished sql.NullString
+	if err := c.db.QueryRowContext(ctx, scrapeOutboxUndelivered).Scan(&undelivered, &oldestPublished); err != nil {
+		return fmt.Errorf("count undelivered outbox events: %w", err)
+	}
+	oldestAge, err := c.ageOf(oldest)
+	if err != nil {
+		return fmt.Errorf("oldest pending outbox event: %w", err)
+	}
+	oldestUndeliveredAge, err := c.ageOf(oldestPublished)
+	if err != nil {
+		return fmt.Errorf("oldest undelivered outbox event: %w", err)
 	}
 	ch <- prometheus.MustNewConstMetric(c.outboxPending, prometheus.GaugeValue, float64(pending))
 	ch <- prometheus.MustNewConstMetric(c.outboxOldestPending, prometheus.GaugeValue, oldestAge)
 	ch <- prometheus.MustNewConstMetric(c.outboxFailed, prometheus.GaugeValue, float64(failed))
+	ch <- prometheus.MustNewConstMetric(c.outboxUndelivered, prometheus.GaugeValue, float64(undelivered))
+	ch <- prometheus.MustNewConstMetric(c.outboxOldestUndelivered, prometheus.GaugeValue, oldestUndeliveredAge)
 	return nil
+}
+
+// ageOf returns the seconds from a stored time to now, 0 for none.
+func (c *dbCollector) ageOf(stored sql.NullString) (float64, error) {
+	if !stored.Valid {
+		return 0, nil
+	}
+	at, err := time.Parse(timeFormat, stored.String)
+	if err != nil {
+		return 0, err
+	}
+	return max(c.now().Sub(at).Seconds(), 0), nil
 }
 
 // collectSagas sends the number of sagas in each state that has not ended,

@@ -401,7 +401,7 @@ func TestMetricsScrapeReadsOnlyLiveRows(t *testing.T) {
 	env := MustOpenApp(t)
 	fillHistory(t, env.app.db, 1000)
 	live := []string{"outbox_events_unpublished", "outbox_events_pending", "outbox_events_pending_since", "outbox_events_failed",
-		"saga_instances_runnable", "saga_instances_compensation_failed"}
+		"outbox_events_undelivered", "saga_instances_runnable", "saga_instances_compensation_failed"}
 	readsLiveIndex := func(line string) bool {
 		for _, index := range live {
 			if regexp.MustCompile(`INDEX ` + index + `\b|using ` + index + `\b|Index Scan on ` + index + `\b`).MatchString(line) {
@@ -410,7 +410,7 @@ func TestMetricsScrapeReadsOnlyLiveRows(t *testing.T) {
 		}
 		return false
 	}
-	for _, query := range []string{scrapeOutboxPending, scrapeOutboxOldestPending, scrapeOutboxFailed,
+	for _, query := range []string{scrapeOutboxPending, scrapeOutboxOldestPending, scrapeOutboxFailed, scrapeOutboxUndelivered,
 		scrapeSagasRunning, scrapeSagasCompensationFailed} {
 		plan := explain(t, env.app.db, query)
 		for _, line := range plan {
