@@ -167,10 +167,18 @@ func natsBrokerLoss(url, stream string) (brokerLoss, func(), error) {
 	return lose, conn.Close, nil
 }
 
+// brokerLossAttempt bounds one attempt of the broker-loss nemesis. A
+// JetStream request that nobody answers (its server killed, the stream
+// electing a leader) waits as long as its context allows, and the run's
+// lasts minutes.
+const brokerLossAttempt = 10 * time.Second
+
 // runBrokerLosses makes the broker lose n acknowledged messages that no
 // consumer has acked yet, one every 0.2 to 1 s, until it has lost n, ctx
 // is done, or stop is closed (the load is over: nothing may be left to
-// lose). It adds each loss to *lost, under mu.
+// lose). An attempt that takes longer than brokerLossAttempt, or is under
+// way when stop is closed, is given up. It adds each loss to *lost, under
+// mu.
 func runBrokerLosses(ctx context.Context, seed uint64, n int, lose brokerLoss, stop <-chan struct{}, lost *int, mu *sync.Mutex) error {
 	rng := rand.New(rand.NewPCG(seed, 0x1055))
 	for done := 0; done < n; {
@@ -181,7 +189,16 @@ func runBrokerLosses(ctx context.Context, seed uint64, n int, lose brokerLoss, s
 			return nil
 		case <-time.After(time.Duration(200+rng.IntN(800)) * time.Millisecond):
 		}
-		deleted, err := lose(ctx, rng.IntN)
+		attempt, cancel := context.WithTimeout(ctx, brokerLossAttempt)
+		go func() {
+			select {
+			case <-stop:
+				cancel()
+			case <-attempt.Done():
+			}
+		}()
+		deleted, err := lose(attempt, rng.IntN)
+		cancel()
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil

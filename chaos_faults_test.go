@@ -1,8 +1,10 @@
 package main
 
 import (
+	"context"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 )
@@ -82,5 +84,39 @@ func TestChaosFaultLengths(t *testing.T) {
 	}
 	if got, want := outageLength(leases), time.Duration(maxDeliveries)*leases.ackWait; got <= want || got <= 10*time.Second {
 		t.Fatalf("an outage of %s is not longer than MaxDeliver x AckWait (%s) and busy_timeout (10s)", got, want)
+	}
+}
+
+// Ensure the broker-loss nemesis gives up an attempt nobody answers (a
+// JetStream request to a server that was killed, or to a stream electing
+// its leader) when the load is over, instead of holding the chaos run
+// until its deadline: it made a run that had settled in 30 s report "the
+// load did not finish within 5m0s".
+func TestBrokerLossGivesUpWhenTheLoadIsOver(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	attempting := make(chan struct{}, 1)
+	unanswered := func(ctx context.Context, _ func(int) int) (int, error) {
+		select {
+		case attempting <- struct{}{}:
+		default:
+		}
+		<-ctx.Done()
+		return 0, ctx.Err()
+	}
+	stop := make(chan struct{})
+	returned := make(chan error, 1)
+	var lost int
+	var mu sync.Mutex
+	go func() { returned <- runBrokerLosses(ctx, 1, 10, unanswered, stop, &lost, &mu) }()
+	<-attempting
+	close(stop)
+	select {
+	case err := <-returned:
+		if err != nil || lost != 0 {
+			t.Fatalf("got %v and %d lost, want nil and 0", err, lost)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the nemesis still waits on its attempt a minute after the load is over")
 	}
 }
