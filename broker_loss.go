@@ -82,8 +82,10 @@ func loseEmbeddedMessages(ctx context.Context, db *sql.DB, n int, pick func(int)
 
 // loseNATSMessages deletes up to n messages of the stream that the durable
 // consumer of their subject has not acked yet (above its ack floor) with
-// JetStream's delete-message API, and returns how many it deleted. pick(k)
-// chooses one of k candidates, oldest first.
+// JetStream's delete-message API, and returns how many it deleted: those
+// not yet delivered to it first, whose loss is certain (a message
+// delivered and not acked is lost only if its consumer fails before the
+// ack). pick(k) chooses one of k candidates, oldest first.
 func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName string, n int, pick func(int) int) (int, error) {
 	stream, err := js.Stream(ctx, streamName)
 	if err != nil {
@@ -94,18 +96,35 @@ func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName st
 		return 0, fmt.Errorf("stream %s: %w", streamName, err)
 	}
 	// Each durable reads one subject (natsBroker.subscribe).
-	floors := map[string]uint64{}
-	lowest := info.State.LastSeq
+	acked, delivered := map[string]uint64{}, map[string]uint64{}
 	consumers := stream.ListConsumers(ctx)
 	for consumer := range consumers.Info() {
-		floors[consumer.Config.FilterSubject] = consumer.AckFloor.Stream
-		lowest = min(lowest, consumer.AckFloor.Stream)
+		acked[consumer.Config.FilterSubject] = consumer.AckFloor.Stream
+		delivered[consumer.Config.FilterSubject] = consumer.Delivered.Stream
 	}
 	if err := consumers.Err(); err != nil {
 		return 0, fmt.Errorf("consumers of %s: %w", streamName, err)
 	}
+	deleted := 0
+	for _, floors := range []map[string]uint64{delivered, acked} {
+		more, err := deleteMessagesAbove(ctx, stream, info.State, floors, n-deleted, pick)
+		deleted += more
+		if err != nil || deleted == n {
+			return deleted, err
+		}
+	}
+	return deleted, nil
+}
+
+// deleteMessagesAbove deletes up to n messages of stream above the floor
+// of their subject's consumer, and returns how many it deleted.
+func deleteMessagesAbove(ctx context.Context, stream jetstream.Stream, state jetstream.StreamState, floors map[string]uint64, n int, pick func(int) int) (int, error) {
+	lowest := state.LastSeq
+	for _, floor := range floors {
+		lowest = min(lowest, floor)
+	}
 	var candidates []uint64
-	for seq := max(lowest+1, info.State.FirstSeq); seq <= info.State.LastSeq; seq++ {
+	for seq := max(lowest+1, state.FirstSeq); seq <= state.LastSeq; seq++ {
 		candidates = append(candidates, seq)
 	}
 	deleted := 0
@@ -118,11 +137,11 @@ func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName st
 			continue // deleted already, or a gap
 		}
 		if err != nil {
-			return deleted, fmt.Errorf("read message %d of %s: %w", seq, streamName, err)
+			return deleted, fmt.Errorf("read message %d: %w", seq, err)
 		}
 		if floor, read := floors[msg.Subject]; !read || seq <= floor {
-			// Its consumer acked it already (or nobody reads it): losing
-			// it now would lose nothing.
+			// Below the floor (acked, or delivered: see the caller), or
+			// nobody reads it: losing it now would lose nothing.
 			continue
 		}
 		err = stream.DeleteMsg(ctx, seq)
@@ -130,7 +149,7 @@ func loseNATSMessages(ctx context.Context, js jetstream.JetStream, streamName st
 			continue
 		}
 		if err != nil {
-			return deleted, fmt.Errorf("delete message %d of %s: %w", seq, streamName, err)
+			return deleted, fmt.Errorf("delete message %d: %w", seq, err)
 		}
 		deleted++
 	}
