@@ -140,12 +140,14 @@ func TestTorture(t *testing.T) {
 }
 
 // natsClusterNemeses are the cases of the scale-out torture on a NATS
-// cluster: one nemesis each, injected twice in a run.
+// cluster: one nemesis each, injected twice in a run. The leader kills
+// come with messages the stream loses (JetStream's delete-message API on
+// a stream of three replicas), which the reconciler must republish.
 var natsClusterNemeses = []struct {
 	name string
 	set  func(cfg *chaosConfig)
 }{
-	{"leader-kill", func(cfg *chaosConfig) { cfg.NATSLeaderKills = 2 }},
+	{"leader-kill-and-loss", func(cfg *chaosConfig) { cfg.NATSLeaderKills, cfg.BrokerLosses = 2, 5 }},
 	{"leader-pause", func(cfg *chaosConfig) { cfg.NATSLeaderPauses = 2 }},
 	{"truncated-restart", func(cfg *chaosConfig) { cfg.NATSTruncations = 2 }},
 	{"full-restart", func(cfg *chaosConfig) { cfg.NATSFullRestarts = 2 }},
@@ -166,9 +168,9 @@ var natsClusterNemeses = []struct {
 // With RETRYSAFE_TEST_NATS_CLUSTER naming a nats-server binary, it also
 // runs (with or without RETRYSAFE_SOAK) on a three-node JetStream cluster
 // of its own (the stream at three replicas, sync_interval: always), once
-// per cluster nemesis: the stream's leader SIGKILLed, paused past the
-// election timeout, a follower restarted with its files truncated, all
-// three SIGKILLed at once (chaos_nats.go).
+// per cluster nemesis: the stream's leader SIGKILLed (with messages the
+// stream loses), paused past the election timeout, a follower restarted
+// with its files truncated, all three SIGKILLed at once (chaos_nats.go).
 func TestTortureScaleOut(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the torture test runs processes for about a minute; skipped with -short")
