@@ -1,0 +1,344 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// This file measures the inputs of the capacity model (docs/capacity.md):
+// what one order costs in CPU time of PostgreSQL, of nats-server and of our
+// process, and in WAL bytes; and how fast one stock row takes reservations
+// when every order buys the same SKU (BenchmarkHotRow).
+//
+// CPU time is read from /proc (utime + stime of a process, in clock
+// ticks), so these metrics are reported on Linux only, and only for a
+// PostgreSQL or NATS server on this machine. Everything else running on
+// the machine is reported too (other-cpu-cores), because on a shared
+// machine throughput says more about the neighbours than about the code.
+
+// clockTicks is Linux's USER_HZ, the unit of /proc's CPU times: 100 on
+// every architecture Go supports (sysconf(_SC_CLK_TCK)).
+const clockTicks = 100
+
+// processCPU returns the CPU time, user and system, that process pid has
+// used so far. It fails where /proc is missing or the process is gone.
+func processCPU(pid int) (time.Duration, error) {
+	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	// The command, field 2, is in parentheses and may hold spaces; utime
+	// and stime are fields 14 and 15, the 12th and 13th after it.
+	end := bytes.LastIndexByte(stat, ')')
+	if end < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no command", pid)
+	}
+	fields := strings.Fields(string(stat[end+1:]))
+	if len(fields) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command", pid, len(fields))
+	}
+	utime, err := strconv.ParseInt(fields[11], 10, 64)
+	if err != nil {
+		return 0, err
+	}
+	stime, err := strconv.ParseInt(fields[12], 10, 64)
+	if err != nil {
+		return 0, err
+	}
+	return time.Duration(utime+stime) * time.Second / clockTicks, nil
+}
+
+// machineBusy returns the CPU time the whole machine has spent not idle
+// (every field of /proc/stat's cpu line but idle and iowait).
+func machineBusy() (time.Duration, error) {
+	stat, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, err
+	}
+	line, _, _ := strings.Cut(string(stat), "\n")
+	fields := strings.Fields(line)
+	if len(fields) < 8 || fields[0] != "cpu" {
+		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var busy int64
+	// user nice system idle iowait irq softirq steal (guest time is
+	// already in user).
+	for i, field := range fields[1:min(len(fields), 9)] {
+		ticks, err := strconv.ParseInt(field, 10, 64)
+		if err != nil {
+			return 0, err
+		}
+		if i != 3 && i != 4 {
+			busy += ticks
+		}
+	}
+	return time.Duration(busy) * time.Second / clockTicks, nil
+}
+
+// natsServerPID returns the pid of the nats-server on this machine: the
+// one process named nats-server, or RETRYSAFE_BENCH_NATS_PID where there
+// are several. ok is false when there is none to measure.
+func natsServerPID() (pid int, ok bool) {
+	if given := os.Getenv("RETRYSAFE_BENCH_NATS_PID"); given != "" {
+		pid, err := strconv.Atoi(given)
+		return pid, err == nil
+	}
+	comms, _ := filepath.Glob("/proc/[0-9]*/comm")
+	found := 0
+	for _, comm := range comms {
+		name, err := os.ReadFile(comm)
+		if err != nil || strings.TrimSpace(string(name)) != "nats-server" {
+			continue
+		}
+		found++
+		pid, _ = strconv.Atoi(filepath.Base(filepath.Dir(comm)))
+	}
+	return pid, found == 1
+}
+
+// costMeter measures, over a benchmark's timed part, the CPU time of the
+// PostgreSQL backends serving the benchmark's database (the benchmark's
+// own watcher excepted), of nats-server and of this process, the WAL that
+// PostgreSQL wrote, and the CPU that everything else on the machine used.
+type costMeter struct {
+	start time.Time
+	// stats is a connection to the benchmark's PostgreSQL database; nil on
+	// SQLite, or where the server is not on this machine.
+	stats *sql.DB
+	// backends is the CPU time of each backend of the database at start;
+	// ignored are the benchmark's own (its watcher's).
+	backends map[int]time.Duration
+	ignored  map[int]bool
+	walStart string
+	natsPID  int
+	nats     time.Duration
+	self     time.Duration
+	busy     time.Duration
+}
+
+// startCostMeter begins a measurement. target is the benchmark's database;
+// watcher, the benchmark's own poller, whose backend is left out.
+func startCostMeter(b *testing.B, target string, watcher *finalWatcher) *costMeter {
+	b.Helper()
+	ctx := context.Background()
+	m := &costMeter{ignored: map[int]bool{}}
+	if _, err := processCPU(os.Getpid()); err != nil {
+		b.Logf("no CPU times (%v): the cost metrics are Linux's", err)
+		return nil
+	}
+	if isPostgresURL(target) {
+		stats, err := connectPostgres(ctx, target)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { stats.Close() })
+		// The watcher polls from one goroutine, so on the one connection
+		// that this query leaves idle in its pool.
+		var watcherPID int
+		if err := watcher.db.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&watcherPID); err != nil {
+			b.Fatal(err)
+		}
+		m.ignored[watcherPID] = true
+		backends, err := m.backendCPU(ctx, stats)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if len(backends) == 0 {
+			b.Logf("no PostgreSQL backend of this database readable in /proc: the server is elsewhere, no pg-cpu-ms/order")
+		} else {
+			m.stats, m.backends = stats, backends
+			if err := stats.QueryRowContext(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&m.walStart); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	if os.Getenv("RETRYSAFE_TEST_NATS") != "" {
+		if pid, ok := natsServerPID(); ok {
+			if cpu, err := processCPU(pid); err == nil {
+				m.natsPID, m.nats = pid, cpu
+			}
+		}
+		if m.natsPID == 0 {
+			b.Logf("no single nats-server on this machine (set RETRYSAFE_BENCH_NATS_PID): no nats-cpu-ms/order")
+		}
+	}
+	m.self, _ = processCPU(os.Getpid())
+	m.busy, _ = machineBusy()
+	m.start = time.Now()
+	return m
+}
+
+// backendCPU returns the CPU time so far of every backend connected to the
+// database of stats, but stats' own and the ignored ones.
+func (m *costMeter) backendCPU(ctx context.Context, stats *sql.DB) (map[int]time.Duration, error) {
+	rows, err := stats.QueryContext(ctx, `
+		SELECT pid FROM pg_stat_activity
+		WHERE datname = current_database() AND pid <> pg_backend_pid()`)
+	if err != nil {
+		return nil, fmt.Errorf("list backends: %w", err)
+	}
+	defer rows.Close()
+	cpu := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if err := rows.Scan(&pid); err != nil {
+			return nil, err
+		}
+		if m.ignored[pid] {
+			continue
+		}
+		// A backend that ended since the list was read is not counted.
+		if used, err := processCPU(pid); err == nil {
+			cpu[pid] = used
+		}
+	}
+	return cpu, rows.Err()
+}
+
+// report reports the costs per order since the meter started. Call it
+// right after b.StopTimer, before anything else runs.
+//
+// pg-cpu-ms/order is the CPU time of the backends of the benchmark's
+// database (a backend that ended during the run is missed, and is logged);
+// wal-bytes/order is how far PostgreSQL's WAL insert position moved (the
+// whole server's: another database's writes in the same time count, and
+// the log says how many other transactions committed); nats-cpu-ms/order
+// is nats-server's; app-cpu-ms/order is this test process's, which holds
+// the Apps and also the benchmark's clients and watcher, so it is an upper
+// bound of what the Apps use; other-cpu-cores is the CPU the rest of the
+// machine used meanwhile, in cores (the shared machine's load).
+func (m *costMeter) report(b *testing.B, orders int) {
+	b.Helper()
+	if m == nil {
+		return
+	}
+	ctx := context.Background()
+	elapsed := time.Since(m.start)
+	self, _ := processCPU(os.Getpid())
+	busy, _ := machineBusy()
+	perOrder := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 / float64(orders) }
+	ours := self - m.self
+	b.ReportMetric(perOrder(ours), "app-cpu-ms/order")
+	if m.natsPID != 0 {
+		if nats, err := processCPU(m.natsPID); err == nil {
+			ours += nats - m.nats
+			b.ReportMetric(perOrder(nats-m.nats), "nats-cpu-ms/order")
+		}
+	}
+	if m.stats != nil {
+		backends, err := m.backendCPU(ctx, m.stats)
+		if err != nil {
+			b.Fatal(err)
+		}
+		var pg time.Duration
+		ended := 0
+		for pid, before := range m.backends {
+			if now, ok := backends[pid]; ok {
+				pg += now - before
+			} else {
+				ended++
+			}
+		}
+		started := 0
+		for pid, now := range backends {
+			if _, ok := m.backends[pid]; !ok {
+				pg += now
+				started++
+			}
+		}
+		ours += pg
+		b.ReportMetric(perOrder(pg), "pg-cpu-ms/order")
+		var wal int64
+		err = m.stats.QueryRowContext(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), ?::pg_lsn)::bigint`, m.walStart).Scan(&wal)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(wal)/float64(orders), "wal-bytes/order")
+		b.Logf("PostgreSQL: %d backends of this database measured, %d began and %d ended during the run (an ended one's CPU is missed)",
+			len(backends), started, ended)
+	}
+	others := busy - m.busy - ours
+	b.ReportMetric(others.Seconds()/elapsed.Seconds(), "other-cpu-cores")
+	if load, err := os.ReadFile("/proc/loadavg"); err == nil {
+		b.Logf("load average at the end: %s", strings.Join(strings.Fields(string(load))[:3], " "))
+	}
+}
+
+// BenchmarkHotRow is the saga's use of the stock alone: each order's
+// reservation (reserveStock: a counter UPDATE of the SKU's stock_items row
+// and an INSERT of its hold, in one transaction, as reserve_stock does)
+// and its sale (settleReservations, in another, as confirm does), from 8
+// clients. sku-1 is the flash sale, every order on one row; skus-16
+// spreads them over 16 rows. On PostgreSQL the row's lock is held from
+// the UPDATE until the commit has flushed its WAL, so one SKU takes at
+// most one reservation or sale per lock hold, whatever the cores; the
+// ratio of the two runs is what the hot row costs. On SQLite every write
+// transaction takes the one write lock anyway.
+func BenchmarkHotRow(b *testing.B) {
+	for _, skus := range []int{1, 16} {
+		name := "sku-1"
+		if skus > 1 {
+			name = "skus-" + strconv.Itoa(skus)
+		}
+		b.Run(name+"/clients-8", func(b *testing.B) {
+			ctx := context.Background()
+			app := benchApp(b, durabilityNormal)
+			orders := make([]orderRow, b.N)
+			err := withTx(ctx, app.db, func(tx *sql.Tx) error {
+				for k := range skus {
+					_, err := tx.ExecContext(ctx, `INSERT INTO stock_items (sku, available, reserved, sold, stocked) VALUES (?, ?, 0, 0, ?)`,
+						"hot-sku-"+strconv.Itoa(k), b.N, b.N)
+					if err != nil {
+						return err
+					}
+				}
+				for i := range orders {
+					orders[i] = orderRow{OrderID: app.newID("ord"), UserID: "user-42", AmountCents: 5000, Currency: "usd",
+						Items:         []orderItem{{SKU: "hot-sku-" + strconv.Itoa(i%skus), Qty: 1}},
+						PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: formatTime(app.now())}
+					if err := insertOrder(ctx, tx, orders[i]); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			runClients(b, 8, func(i int) error {
+				order := orders[i-1]
+				// withFencedTx, as the saga's steps: READ COMMITTED on
+				// PostgreSQL, where SERIALIZABLE (withTx) would fail
+				// every UPDATE of the row that another transaction
+				// changed since this one began.
+				err := withFencedTx(ctx, app.db, func(tx *sql.Tx) error {
+					return reserveStock(ctx, tx, order, app.now())
+				})
+				if err != nil {
+					return err
+				}
+				return withFencedTx(ctx, app.db, func(tx *sql.Tx) error {
+					return settleReservations(ctx, tx, order.OrderID, stockSold, app.now())
+				})
+			})
+			b.StopTimer()
+			reportOpsPerSecond(b, "orders/s")
+			var sold int64
+			if err := app.db.QueryRow(`SELECT COALESCE(SUM(sold), 0) FROM stock_items WHERE sku LIKE 'hot-sku-%'`).Scan(&sold); err != nil {
+				b.Fatal(err)
+			}
+			if sold != int64(b.N) {
+				b.Fatalf("sold %d of %d", sold, b.N)
+			}
+		})
+	}
+}
