@@ -5,8 +5,11 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -83,25 +86,67 @@ func machineBusy() (time.Duration, error) {
 	return time.Duration(busy) * time.Second / clockTicks, nil
 }
 
-// natsServerPID returns the pid of the nats-server on this machine: the
-// one process named nats-server, or RETRYSAFE_BENCH_NATS_PID where there
-// are several. ok is false when there is none to measure.
-func natsServerPID() (pid int, ok bool) {
+// natsServerPID returns the pid of the nats-server at natsURL, on this
+// machine: the one process named nats-server that listens on the URL's
+// port (or the only one, where its sockets cannot be read), or
+// RETRYSAFE_BENCH_NATS_PID. ok is false when there is none to measure.
+func natsServerPID(natsURL string) (pid int, ok bool) {
 	if given := os.Getenv("RETRYSAFE_BENCH_NATS_PID"); given != "" {
 		pid, err := strconv.Atoi(given)
 		return pid, err == nil
 	}
+	var servers []int
 	comms, _ := filepath.Glob("/proc/[0-9]*/comm")
-	found := 0
 	for _, comm := range comms {
 		name, err := os.ReadFile(comm)
 		if err != nil || strings.TrimSpace(string(name)) != "nats-server" {
 			continue
 		}
-		found++
-		pid, _ = strconv.Atoi(filepath.Base(filepath.Dir(comm)))
+		pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(comm)))
+		servers = append(servers, pid)
 	}
-	return pid, found == 1
+	port := "4222"
+	if u, err := url.Parse(natsURL); err == nil && u.Port() != "" {
+		port = u.Port()
+	}
+	listening := listeningSockets(port)
+	for _, server := range servers {
+		fds, _ := filepath.Glob("/proc/" + strconv.Itoa(server) + "/fd/*")
+		for _, fd := range fds {
+			if target, err := os.Readlink(fd); err == nil && listening[target] {
+				return server, true
+			}
+		}
+	}
+	if len(servers) == 1 {
+		return servers[0], true
+	}
+	return 0, false
+}
+
+// listeningSockets returns the sockets ("socket:[inode]", as /proc/<pid>/fd
+// links name them) that listen on TCP port on this machine.
+func listeningSockets(port string) map[string]bool {
+	sockets := map[string]bool{}
+	number, err := strconv.Atoi(port)
+	if err != nil {
+		return sockets
+	}
+	hexPort := fmt.Sprintf(":%04X", number)
+	for _, table := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		text, err := os.ReadFile(table)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(text), "\n")[1:] {
+			// sl local_address rem_address st ... inode (the 10th field)
+			fields := strings.Fields(line)
+			if len(fields) >= 10 && strings.HasSuffix(fields[1], hexPort) && fields[3] == "0A" {
+				sockets["socket:["+fields[9]+"]"] = true
+			}
+		}
+	}
+	return sockets
 }
 
 // costMeter measures, over a benchmark's timed part, the CPU time of the
@@ -160,14 +205,14 @@ func startCostMeter(b *testing.B, target string, watcher *finalWatcher) *costMet
 			}
 		}
 	}
-	if os.Getenv("RETRYSAFE_TEST_NATS") != "" {
-		if pid, ok := natsServerPID(); ok {
+	if natsURL := os.Getenv("RETRYSAFE_TEST_NATS"); natsURL != "" {
+		if pid, ok := natsServerPID(natsURL); ok {
 			if cpu, err := processCPU(pid); err == nil {
 				m.natsPID, m.nats = pid, cpu
 			}
 		}
 		if m.natsPID == 0 {
-			b.Logf("no single nats-server on this machine (set RETRYSAFE_BENCH_NATS_PID): no nats-cpu-ms/order")
+			b.Logf("no nats-server listening at %s found on this machine (set RETRYSAFE_BENCH_NATS_PID): no nats-cpu-ms/order", natsURL)
 		}
 	}
 	m.self, _ = processCPU(os.Getpid())
@@ -208,9 +253,10 @@ func (m *costMeter) backendCPU(ctx context.Context, stats *sql.DB) (map[int]time
 //
 // pg-cpu-ms/order is the CPU time of the backends of the benchmark's
 // database (a backend that ended during the run is missed, and is logged);
-// wal-bytes/order is how far PostgreSQL's WAL insert position moved (the
-// whole server's: another database's writes in the same time count, and
-// the log says how many other transactions committed); nats-cpu-ms/order
+// wal-bytes/order is the WAL of this database's records and transactions
+// (databaseWAL, where the WAL can be read here), server-wal-bytes/order
+// how far the whole server's WAL position moved, another database's
+// writes included; nats-cpu-ms/order
 // is nats-server's; app-cpu-ms/order is this test process's, which holds
 // the Apps and also the benchmark's clients and watcher, so it is an upper
 // bound of what the Apps use; other-cpu-cores is the CPU the rest of the
@@ -256,12 +302,24 @@ func (m *costMeter) report(b *testing.B, orders int) {
 		}
 		ours += pg
 		b.ReportMetric(perOrder(pg), "pg-cpu-ms/order")
-		var wal int64
-		err = m.stats.QueryRowContext(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), ?::pg_lsn)::bigint`, m.walStart).Scan(&wal)
+		var server int64
+		var walEnd string
+		err = m.stats.QueryRowContext(ctx, `
+			SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), ?::pg_lsn)::bigint, pg_current_wal_insert_lsn()::text`,
+			m.walStart).Scan(&server, &walEnd)
 		if err != nil {
 			b.Fatal(err)
 		}
-		b.ReportMetric(float64(wal)/float64(orders), "wal-bytes/order")
+		b.ReportMetric(float64(server)/float64(orders), "server-wal-bytes/order")
+		wal, ok, err := databaseWAL(ctx, m.stats, m.walStart, walEnd)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if ok {
+			b.ReportMetric(float64(wal)/float64(orders), "wal-bytes/order")
+		} else {
+			b.Logf("the WAL cannot be read here (pg_waldump, the data directory): no wal-bytes/order of this database, only the whole server's")
+		}
 		b.Logf("PostgreSQL: %d backends of this database measured, %d began and %d ended during the run (an ended one's CPU is missed)",
 			len(backends), started, ended)
 	}
@@ -270,6 +328,72 @@ func (m *costMeter) report(b *testing.B, orders int) {
 	if load, err := os.ReadFile("/proc/loadavg"); err == nil {
 		b.Logf("load average at the end: %s", strings.Join(strings.Fields(string(load))[:3], " "))
 	}
+}
+
+// walRecord matches a line of pg_waldump: the record's total length and
+// its transaction id.
+var walRecord = regexp.MustCompile(`len \(rec/tot\):\s*\d+/\s*(\d+), tx:\s*(\d+),`)
+
+// walRelation matches a block reference of a pg_waldump line; its group
+// is the database's oid.
+var walRelation = regexp.MustCompile(`rel \d+/(\d+)/\d+`)
+
+// databaseWAL returns how many of the WAL bytes between the positions
+// start and end belong to the database of stats: the records that change
+// its relations, and every record (commits included) of a transaction that
+// changed one. It reads the WAL with pg_waldump, so it needs the server's
+// data directory on this machine, readable; ok is false where it is not.
+// The whole server's WAL position also moves with other databases' work,
+// which on a shared server would be counted as ours.
+func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (bytes int64, ok bool, err error) {
+	var dataDir, oid string
+	var version int
+	err = stats.QueryRowContext(ctx, `
+		SELECT current_setting('data_directory'), current_setting('server_version_num')::int, oid::text
+		FROM pg_database WHERE datname = current_database()`).Scan(&dataDir, &version, &oid)
+	if err != nil {
+		return 0, false, err
+	}
+	walDir := filepath.Join(dataDir, "pg_wal")
+	if _, err := os.ReadDir(walDir); err != nil {
+		return 0, false, nil
+	}
+	waldump, err := exec.LookPath("pg_waldump")
+	if err != nil {
+		waldump = fmt.Sprintf("/usr/lib/postgresql/%d/bin/pg_waldump", version/10000)
+	}
+	out, err := exec.CommandContext(ctx, waldump, "--path", walDir, "--start", start, "--end", end).Output()
+	if err != nil {
+		return 0, false, nil
+	}
+	type record struct {
+		length int64
+		xid    string
+		ours   bool
+	}
+	var records []record
+	oursByXID := map[string]bool{}
+	for _, line := range strings.Split(string(out), "\n") {
+		m := walRecord.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		length, _ := strconv.ParseInt(m[1], 10, 64)
+		r := record{length: length, xid: m[2]}
+		for _, rel := range walRelation.FindAllStringSubmatch(line, -1) {
+			r.ours = r.ours || rel[1] == oid
+		}
+		if r.ours && r.xid != "0" {
+			oursByXID[r.xid] = true
+		}
+		records = append(records, r)
+	}
+	for _, r := range records {
+		if r.ours || oursByXID[r.xid] {
+			bytes += r.length
+		}
+	}
+	return bytes, true, nil
 }
 
 // BenchmarkHotRow is the saga's use of the stock alone: each order's
