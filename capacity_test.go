@@ -38,15 +38,20 @@ func processCPU(pid int) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
+	return cpuOfStat(stat)
+}
+
+// cpuOfStat returns utime + stime from the text of a /proc/<pid>/stat.
+func cpuOfStat(stat []byte) (time.Duration, error) {
 	// The command, field 2, is in parentheses and may hold spaces; utime
 	// and stime are fields 14 and 15, the 12th and 13th after it.
 	end := bytes.LastIndexByte(stat, ')')
 	if end < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: no command", pid)
+		return 0, fmt.Errorf("stat: no command")
 	}
 	fields := strings.Fields(string(stat[end+1:]))
 	if len(fields) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command", pid, len(fields))
+		return 0, fmt.Errorf("stat: %d fields after the command", len(fields))
 	}
 	utime, err := strconv.ParseInt(fields[11], 10, 64)
 	if err != nil {
@@ -345,7 +350,7 @@ var walRelation = regexp.MustCompile(`rel \d+/(\d+)/\d+`)
 // data directory on this machine, readable; ok is false where it is not.
 // The whole server's WAL position also moves with other databases' work,
 // which on a shared server would be counted as ours.
-func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (bytes int64, ok bool, err error) {
+func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (walBytes int64, ok bool, err error) {
 	var dataDir, oid string
 	var version int
 	err = stats.QueryRowContext(ctx, `
@@ -369,6 +374,14 @@ func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (bytes i
 	if err != nil {
 		return 0, false, nil
 	}
+	return walBytesOf(string(out), oid), true, nil
+}
+
+// walBytesOf returns the bytes of the records in dump (pg_waldump's
+// output) that belong to the database with oid: those that change one of
+// its relations, and every record of a transaction that changed one (its
+// commit record names no relation).
+func walBytesOf(dump, oid string) int64 {
 	type record struct {
 		length int64
 		xid    string
@@ -376,7 +389,7 @@ func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (bytes i
 	}
 	var records []record
 	oursByXID := map[string]bool{}
-	for _, line := range strings.Split(string(out), "\n") {
+	for _, line := range strings.Split(dump, "\n") {
 		m := walRecord.FindStringSubmatch(line)
 		if m == nil {
 			continue
@@ -391,12 +404,44 @@ func databaseWAL(ctx context.Context, stats *sql.DB, start, end string) (bytes i
 		}
 		records = append(records, r)
 	}
+	var total int64
 	for _, r := range records {
 		if r.ours || oursByXID[r.xid] {
-			bytes += r.length
+			total += r.length
 		}
 	}
-	return bytes, true, nil
+	return total
+}
+
+// Ensure a process's CPU time is read from the right fields of its stat,
+// even when its command holds spaces and parentheses.
+func TestCPUOfStat(t *testing.T) {
+	stat := "4242 (a (weird) name) S 1 4242 4242 0 -1 4194560 5000 0 3 0 250 75 0 0 20 0 12 0 1234 567890 1234 18446744073709551615\n"
+	got, err := cpuOfStat([]byte(stat))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 3250 * time.Millisecond; got != want {
+		t.Errorf("got %v; want %v (utime 250 + stime 75 ticks)", got, want)
+	}
+}
+
+// Ensure the WAL of a database is told from another's: its records, and
+// the commit of its transaction, which names no relation; not another
+// database's records, nor the server's own.
+func TestWALBytesOfOneDatabase(t *testing.T) {
+	dump := `rmgr: Heap        len (rec/tot):     79/    79, tx:        760, lsn: 0/0174A0F0, prev 0/0174A0B8, desc: INSERT off 5 flags 0x00, blkref #0: rel 1663/17957/16425 blk 0
+rmgr: Btree       len (rec/tot):     64/  8256, tx:        760, lsn: 0/0174A140, prev 0/0174A0F0, desc: INSERT_LEAF off 270, blkref #0: rel 1663/17957/16430 blk 6 FPW
+rmgr: Heap        len (rec/tot):    211/   211, tx:        761, lsn: 0/0176A180, prev 0/0174A140, desc: INSERT+INIT off 1 flags 0x00, blkref #0: rel 1663/17284/1247 blk 19
+rmgr: Transaction len (rec/tot):     34/    34, tx:        761, lsn: 0/0176A258, prev 0/0176A180, desc: COMMIT 2026-12-02 03:00:00.000000 UTC
+rmgr: Transaction len (rec/tot):     46/    46, tx:        760, lsn: 0/0176A280, prev 0/0176A258, desc: COMMIT 2026-12-02 03:00:00.000001 UTC
+rmgr: Heap2       len (rec/tot):     59/    59, tx:          0, lsn: 0/0176A2B0, prev 0/0176A280, desc: PRUNE latestRemovedXid 750 nredirected 0 ndead 1, blkref #0: rel 1663/17957/16425 blk 3
+rmgr: Standby     len (rec/tot):     50/    50, tx:          0, lsn: 0/0176A2F0, prev 0/0176A2B0, desc: RUNNING_XACTS nextXid 762 latestCompletedXid 761 oldestRunningXid 762
+`
+	got := walBytesOf(dump, "17957")
+	if want := int64(79 + 8256 + 46 + 59); got != want {
+		t.Errorf("got %d bytes; want %d (the insert, its index entry with a full page, its commit, the prune)", got, want)
+	}
 }
 
 // BenchmarkHotRow is the saga's use of the stock alone: each order's
