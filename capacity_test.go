@@ -245,6 +245,12 @@ func (m *costMeter) backendCPU(ctx context.Context, stats *sql.DB) (map[int]time
 		if m.ignored[pid] {
 			continue
 		}
+		// A server in a container has pids of its own namespace, which
+		// here may name another process or none: only a postgres counts.
+		comm, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+		if err != nil || strings.TrimSpace(string(comm)) != "postgres" {
+			continue
+		}
 		// A backend that ended since the list was read is not counted.
 		if used, err := processCPU(pid); err == nil {
 			cpu[pid] = used
