@@ -5,13 +5,15 @@
 # 1-process run's cost per order and the fixed cost of a process, fitted on
 # clients-8-processes-2.
 #
-#   benchmarks/capacity-model.sh benchmarks/postgres-capacity.txt [cores]
+#   benchmarks/capacity-model.sh benchmarks/postgres-capacity.txt [cores] [process-cost]
 #
-# cores is the machine's (nproc by default).
+# cores is the machine's (nproc by default); process-cost, in cores, is the
+# fixed cost of a process beyond the first, to check a run against the one
+# it was fitted on (fitted on this run's clients-8-processes-2 by default).
 set -eu
 file=${1:?usage: capacity-model.sh BENCH_OUTPUT [cores]}
 cores=${2:-$(nproc)}
-awk -v cores="$cores" '
+awk -v cores="$cores" -v given="${3:-}" '
 /^BenchmarkEndToEnd\/.*ns\/op/ {
 	name = $1; sub(/^BenchmarkEndToEnd\//, "", name); sub(/-[0-9]+$/, "", name)
 	for (i = 5; i < NF; i += 2) m[name, $(i + 1)] = $i
@@ -34,7 +36,12 @@ END {
 	if (!((two, "orders/s") in m)) exit
 	# The CPU the 2-process run used beyond its orders at the 1-process cost.
 	f = m[two, "orders/s"] * (cost(two) - cost(base)) / 1000
-	printf "a process beyond the first costs %.3f cores (fitted on %s)\n\n", f, two
+	printf "a process beyond the first costs %.3f cores (fitted on %s)\n", f, two
+	if (given != "") {
+		f = given
+		printf "the predictions take the given %.3f cores\n", f
+	}
+	printf "\n"
 	printf "%-32s %8s %14s %14s %9s %7s\n", "run", "cores", "cost alone", "with process", "measured", "off by"
 	for (k = 1; k <= n; k++) {
 		r = names[k]
