@@ -506,15 +506,17 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // of POST -> paid at a steady 100 orders/s.
 //
 // Every order buys the same SKU, so every saga's reservation updates one
-// stock row: a hot SKU, the worst case for row locks. On PostgreSQL the
-// -skus-16 runs spread the orders over 16 SKUs, as a shop's orders are:
-// the rest of the path without that one row.
+// stock row: a hot SKU, the worst case for row locks. The -skus-16 runs
+// (clients-64 on both databases, and the 8-client ones on PostgreSQL)
+// spread the orders over 16 SKUs, as a shop's orders are: the rest of the
+// path without that one row. Beside the commits, the run reports what an
+// order costs in CPU and WAL (costMeter), the capacity model's inputs.
 func BenchmarkEndToEnd(b *testing.B) {
 	// rate, if set, sends orders at that many a second whatever the
 	// answers (an open loop, as independent shoppers arrive), instead of
 	// clients that each wait for their answer before the next order.
 	type setup struct{ clients, processes, skus, rate int }
-	setups := []setup{{1, 1, 1, 0}, {8, 1, 1, 0}, {64, 1, 1, 0}, {0, 1, 1, 100}}
+	setups := []setup{{1, 1, 1, 0}, {8, 1, 1, 0}, {64, 1, 1, 0}, {0, 1, 1, 100}, {64, 1, 16, 0}}
 	if onPostgres() {
 		setups = append(setups, setup{8, 2, 1, 0}, setup{8, 3, 1, 0},
 			setup{8, 1, 16, 0}, setup{8, 2, 16, 0}, setup{8, 3, 16, 0})
@@ -579,6 +581,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			client := benchClient(max(run.clients, 64))
 			latencies := make([]time.Duration, b.N)
 			meter := startCommitMeter(b, target, ledger)
+			costs := startCostMeter(b, target, watcher)
 			b.ResetTimer()
 			send := func(do func(i int) error) { runClients(b, run.clients, do) }
 			if run.rate > 0 {
@@ -603,6 +606,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 				return nil
 			})
 			b.StopTimer()
+			costs.report(b, b.N)
 			reportOpsPerSecond(b, "orders/s")
 			var paid int
 			if err := apps[0].db.QueryRow(`SELECT COUNT(*) FROM orders WHERE status = 'paid'`).Scan(&paid); err != nil {
