@@ -124,6 +124,12 @@ type App struct {
 	// swapped one for the naive code the article warns against. Chosen
 	// once, when the App is wired: the layers have no demo branches.
 	entry layerEntries
+	// sagaCallsSideBySide makes the processor calls of a saga round side
+	// by side rather than one after another (sagaCalls). serve and worker
+	// set it on PostgreSQL (startWorkerLoops); on SQLite, and wherever a
+	// pass must be the same every time (the demo, tests, the simulator),
+	// they run in order.
+	sagaCallsSideBySide bool
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
