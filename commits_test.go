@@ -701,3 +701,48 @@ func TestCommitLedgerCountsWhereCommitsGo(t *testing.T) {
 		}
 	}
 }
+
+// Ensure a fresh create on PostgreSQL commits one transaction: the look for
+// a settled key and the SKU check run in it, not each in a transaction of
+// its own before it. A retry still replays, and an unknown SKU is still
+// refused.
+func TestPostgresCreateIsOneTransaction(t *testing.T) {
+	if !onPostgres() {
+		t.Skip("SQLite reads the key and the SKUs on a read connection first")
+	}
+	ctx := context.Background()
+	target := testDatabase(t)
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, target, ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	ts := serveInProcess(t, newApp(db, nil, nil, nil), target, false)
+	client := benchClient(1)
+	commitsOf := func(key, body string) (int, string, int64) {
+		t.Helper()
+		before := ledger.snapshot()
+		status, answer, err := postOrder(client, ts.URL, key, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var commits int64
+		for _, count := range since(ledger.snapshot(), before) {
+			commits += count.commits
+		}
+		return status, string(answer), commits
+	}
+	status, created, commits := commitsOf("one-tx", orderBody(5000, "sku-1", 1, pmCardVisa))
+	if status != 201 || commits != 1 {
+		t.Fatalf("fresh create: got %d in %d commits; want 201 in 1", status, commits)
+	}
+	status, replayed, commits := commitsOf("one-tx", orderBody(5000, "sku-1", 1, pmCardVisa))
+	if status != 201 || replayed != created || commits != 1 {
+		t.Fatalf("retry: got %d %s in %d commits; want the same 201 in 1", status, replayed, commits)
+	}
+	status, refused, _ := commitsOf("no-such-sku", orderBody(5000, "sku-none", 1, pmCardVisa))
+	if status != 400 || !strings.Contains(refused, `unknown sku \"sku-none\"`) {
+		t.Fatalf("unknown SKU: got %d %s; want 400 naming it", status, refused)
+	}
+}
