@@ -746,3 +746,32 @@ func TestPostgresCreateIsOneTransaction(t *testing.T) {
 		t.Fatalf("unknown SKU: got %d %s; want 400 naming it", status, refused)
 	}
 }
+
+// Ensure the saga loop, after a pass, waits for the next signal instead of
+// claiming again at once: the pass ended after a round whose claim found
+// no saga due, so that claim would find nothing too (a transaction of its
+// own on PostgreSQL).
+func TestSagaLoopWaitsAfterAPass(t *testing.T) {
+	ctx := context.Background()
+	target := testDatabase(t)
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, target, ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	app := newApp(db, nil, nil, nil)
+	if err := app.subscribeConsumers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Only a signal moves a loop on.
+	app.idle = idleTimes{relay: time.Hour, worker: time.Hour}
+	ts := serveInProcess(t, app, target, true)
+	createPaidOrder(t, benchClient(1), ts.URL, watchFinal(t, target), "one-pass")
+	claims := ledger.snapshot()[commitPlace{loop: "saga", site: "(*App).sagaOnce"}]
+	// The loop's first pass, at start, and the pass the order's saga
+	// started.
+	if claims.commits != 2 || claims.empty != 1 {
+		t.Fatalf("got %d saga claims, %d of them finding nothing; want 2, 1: the one at start", claims.commits, claims.empty)
+	}
+}

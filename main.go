@@ -671,7 +671,12 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 	// `step` in a debugger meets one saga at a time.
 	app.sagaCallsSideBySide = dialectOf(app.db).name == "postgres"
 	startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, 0, func(ctx context.Context) (int, error) {
-		return app.sagaOnce(ctx, workerID, sagaBatchSize)
+		_, err := app.sagaOnce(ctx, workerID, sagaBatchSize)
+		// A pass ends after a round whose claim found no saga due: the
+		// loop waits, as after a pass that found nothing, instead of
+		// claiming again at once a claim that would find nothing (a
+		// transaction on PostgreSQL). A saga started since signals it.
+		return 0, err
 	})
 	// The completer and cleanup look for what is left over (a refund whose
 	// request died, keys past their TTL): nothing to wake them for.
