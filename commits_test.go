@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -773,5 +774,47 @@ func TestSagaLoopWaitsAfterAPass(t *testing.T) {
 	// started.
 	if claims.commits != 2 || claims.empty != 1 {
 		t.Fatalf("got %d saga claims, %d of them finding nothing; want 2, 1: the one at start", claims.commits, claims.empty)
+	}
+}
+
+// Ensure charges under different keys, made side by side (as a saga round
+// makes them on PostgreSQL), do not fail each other: each commits the
+// first time, with none rolled back to run again.
+func TestChargesSideBySideDoNotFailEachOther(t *testing.T) {
+	ctx := context.Background()
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, testDatabase(t), ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	app := newApp(db, nil, nil, nil)
+	const callers, charges = 8, 10
+	var wg sync.WaitGroup
+	errs := make([]error, callers)
+	for c := range callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range charges {
+				_, err := app.processor.charge(ctx, chargeRequest{
+					IdempotencyKey: fmt.Sprintf("saga_%d_%d:charge_card", c, i),
+					OrderID:        fmt.Sprintf("ord_%d_%d", c, i),
+					AmountCents:    5000, Currency: "usd", PaymentMethod: pmCardVisa,
+				})
+				if err != nil {
+					errs[c] = err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	got := ledger.snapshot()[commitPlace{loop: "other", site: "(*Processor).charge"}]
+	if got.commits != callers*charges || got.rollbacks != 0 {
+		t.Fatalf("got %d charges committed, %d rolled back; want %d, 0", got.commits, got.rollbacks, callers*charges)
 	}
 }
