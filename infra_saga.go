@@ -294,8 +294,10 @@ func (n sagaNext) String() string {
 	return fmt.Sprintf("sagaNext(%d)", int(n))
 }
 
-// sagaRound reads every saga in runs, and advances each one step: a
-// compensating saga runs compensate on its own (runCompensation); for the
+// sagaRound advances every saga in runs one step, acting on what the
+// transaction before it read of each (run.read; a saga not read there is
+// read first): a compensating saga runs compensate on its own
+// (runCompensation); for the
 // others, the round makes its processor calls, then runs every saga's step
 // in one transaction. It returns the sagas that go on. Every write is
 // fenced by its saga's lease (fenceSaga, in the write's own savepoint), and
