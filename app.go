@@ -124,6 +124,20 @@ type App struct {
 	// swapped one for the naive code the article warns against. Chosen
 	// once, when the App is wired: the layers have no demo branches.
 	entry layerEntries
+	// createReadsInTx makes the create path read what it checks (is the
+	// key settled, does each SKU exist) in its own transaction rather
+	// than first, outside it, on a read connection. Set in newApp on
+	// PostgreSQL, which has no read connection beside the pool: there a
+	// read outside a transaction is a transaction of its own, a fresh key
+	// paid for a look that found nothing, and the write path's look
+	// answers a replay just as well, in the one transaction.
+	createReadsInTx bool
+	// sagaCallsSideBySide makes the processor calls of a saga round side
+	// by side rather than one after another (sagaCalls). serve and worker
+	// set it on PostgreSQL (startWorkerLoops); on SQLite, and wherever a
+	// pass must be the same every time (the demo, tests, the simulator),
+	// they run in order.
+	sagaCallsSideBySide bool
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker
 	// give it theirs, and it discards everything otherwise.
@@ -186,8 +200,10 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 		leases:    leases,
 		group:     group,
 		writeTx:   writeTx,
-		idle:      idleTimes{relay: relayIdle, worker: workerIdle},
-		log:       slog.New(slog.DiscardHandler),
+
+		createReadsInTx: dialectOf(db).name == "postgres",
+		idle:            idleTimes{relay: relayIdle, worker: workerIdle},
+		log:             slog.New(slog.DiscardHandler),
 
 		repairAudits: make(chan struct{}, 1),
 

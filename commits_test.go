@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -699,5 +700,121 @@ func TestCommitLedgerCountsWhereCommitsGo(t *testing.T) {
 		if place.loop != "relay" {
 			t.Errorf("got a commit at %v; want only the relay's", place)
 		}
+	}
+}
+
+// Ensure a fresh create on PostgreSQL commits one transaction: the look for
+// a settled key and the SKU check run in it, not each in a transaction of
+// its own before it. A retry still replays, and an unknown SKU is still
+// refused.
+func TestPostgresCreateIsOneTransaction(t *testing.T) {
+	if !onPostgres() {
+		t.Skip("SQLite reads the key and the SKUs on a read connection first")
+	}
+	ctx := context.Background()
+	target := testDatabase(t)
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, target, ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	ts := serveInProcess(t, newApp(db, nil, nil, nil), target, false)
+	client := benchClient(1)
+	commitsOf := func(key, body string) (int, string, int64) {
+		t.Helper()
+		before := ledger.snapshot()
+		status, answer, err := postOrder(client, ts.URL, key, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var commits int64
+		for _, count := range since(ledger.snapshot(), before) {
+			commits += count.commits
+		}
+		return status, string(answer), commits
+	}
+	status, created, commits := commitsOf("one-tx", orderBody(5000, "sku-1", 1, pmCardVisa))
+	if status != 201 || commits != 1 {
+		t.Fatalf("fresh create: got %d in %d commits; want 201 in 1", status, commits)
+	}
+	status, replayed, commits := commitsOf("one-tx", orderBody(5000, "sku-1", 1, pmCardVisa))
+	if status != 201 || replayed != created || commits != 1 {
+		t.Fatalf("retry: got %d %s in %d commits; want the same 201 in 1", status, replayed, commits)
+	}
+	status, refused, _ := commitsOf("no-such-sku", orderBody(5000, "sku-none", 1, pmCardVisa))
+	if status != 400 || !strings.Contains(refused, `unknown sku \"sku-none\"`) {
+		t.Fatalf("unknown SKU: got %d %s; want 400 naming it", status, refused)
+	}
+}
+
+// Ensure the saga loop, after a pass, waits for the next signal instead of
+// claiming again at once: the pass ended after a round whose claim found
+// no saga due, so that claim would find nothing too (a transaction of its
+// own on PostgreSQL).
+func TestSagaLoopWaitsAfterAPass(t *testing.T) {
+	ctx := context.Background()
+	target := testDatabase(t)
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, target, ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	app := newApp(db, nil, nil, nil)
+	if err := app.subscribeConsumers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Only a signal moves a loop on.
+	app.idle = idleTimes{relay: time.Hour, worker: time.Hour}
+	ts := serveInProcess(t, app, target, true)
+	createPaidOrder(t, benchClient(1), ts.URL, watchFinal(t, target), "one-pass")
+	claims := ledger.snapshot()[commitPlace{loop: "saga", site: "(*App).sagaOnce"}]
+	// The loop's first pass, at start, and the pass the order's saga
+	// started.
+	if claims.commits != 2 || claims.empty != 1 {
+		t.Fatalf("got %d saga claims, %d of them finding nothing; want 2, 1: the one at start", claims.commits, claims.empty)
+	}
+}
+
+// Ensure charges under different keys, made side by side (as a saga round
+// makes them on PostgreSQL), do not fail each other: each commits the
+// first time, with none rolled back to run again.
+func TestChargesSideBySideDoNotFailEachOther(t *testing.T) {
+	ctx := context.Background()
+	ledger := newCommitLedger()
+	db, err := openCountedDB(ctx, testDatabase(t), ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	app := newApp(db, nil, nil, nil)
+	const callers, charges = 8, 10
+	var wg sync.WaitGroup
+	errs := make([]error, callers)
+	for c := range callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range charges {
+				_, err := app.processor.charge(ctx, chargeRequest{
+					IdempotencyKey: fmt.Sprintf("saga_%d_%d:charge_card", c, i),
+					OrderID:        fmt.Sprintf("ord_%d_%d", c, i),
+					AmountCents:    5000, Currency: "usd", PaymentMethod: pmCardVisa,
+				})
+				if err != nil {
+					errs[c] = err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	got := ledger.snapshot()[commitPlace{loop: "other", site: "(*Processor).charge"}]
+	if got.commits != callers*charges || got.rollbacks != 0 {
+		t.Fatalf("got %d charges committed, %d rolled back; want %d, 0", got.commits, got.rollbacks, callers*charges)
 	}
 }

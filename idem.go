@@ -333,17 +333,23 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 //
 // Returns errKeyReused if the key belongs to another request, and
 // errKeyInProgress if another request holds it. order must be valid (see
-// decodeOrderRequest); nothing here rejects input.
+// decodeOrderRequest); nothing here rejects input, except an unknown SKU on
+// PostgreSQL (an *invalidRequestError from checkSKUs, which the handler
+// runs first on SQLite).
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
-	// A retry of a settled request is answered without the write lock.
-	response, err := replaySettledKey(ctx, a.readDB, req, a.now())
-	if !errors.Is(err, errKeyNotSettled) {
-		return response, err
+	var response apiResponse
+	if !a.createReadsInTx {
+		// A retry of a settled request is answered without the write lock.
+		var err error
+		response, err = replaySettledKey(ctx, a.readDB, req, a.now())
+		if !errors.Is(err, errKeyNotSettled) {
+			return response, err
+		}
 	}
 	orderID := a.newID("ord")
 	// Sample flaw 3: it claimed the key, did the work and stored the answer
 	// in three transactions. Here they are one.
-	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
+	err := a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
 		// Sample flaw 4: lookupKey reads expires_at; an expired key is
 		// gone and the request runs as new.
@@ -364,6 +370,12 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		}
 		// New key, ours until this transaction ends (BEGIN IMMEDIATE holds
 		// the write lock; on PostgreSQL, keyTx locks the key).
+		if a.createReadsInTx {
+			// Otherwise the handler checked them on a read connection.
+			if err := checkSKUs(ctx, tx, order.Items); err != nil {
+				return err
+			}
+		}
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err
 		}

@@ -33,12 +33,6 @@ func isPostgresURL(target string) bool {
 // max_connections of 100.
 const postgresMaxConns = 10
 
-// postgresSagaLoops is how many sagas a process runs side by side on
-// PostgreSQL (see startWorkerLoops). Each holds at most one connection of
-// the pool at a time, so four leave most of postgresMaxConns to the API,
-// the relay and the consumers.
-const postgresSagaLoops = 4
-
 // openPostgres connects to the database at rawURL and migrates it to
 // schema_postgres.sql.
 func openPostgres(ctx context.Context, rawURL string) (*sql.DB, error) {

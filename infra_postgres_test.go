@@ -4,10 +4,12 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"path/filepath"
 	"sort"
@@ -262,13 +264,13 @@ func TestHotSKUUnderConcurrentSagas(t *testing.T) {
 	}
 }
 
-// TestPostgresRunsSagasSideBySide checks that one process runs its sagas
-// side by side on PostgreSQL (startWorkerLoops): two sagas wait for each
-// other before their processor calls, which one saga loop, running them
-// one after another, could never let happen.
+// TestPostgresRunsSagasSideBySide checks that a saga round makes its
+// processor calls side by side on PostgreSQL (startWorkerLoops sets
+// sagaCallsSideBySide): two sagas of one round wait for each other before
+// their calls, which calls made one after another could never let happen.
 func TestPostgresRunsSagasSideBySide(t *testing.T) {
 	if !onPostgres() {
-		t.Skip("SQLite runs one saga loop per process")
+		t.Skip("SQLite makes a round's processor calls one after another")
 	}
 	target := testDatabase(t)
 	// waiting counts the sagas now waiting before their processor call;
@@ -284,8 +286,8 @@ func TestPostgresRunsSagasSideBySide(t *testing.T) {
 		if waiting.Add(1) == 2 {
 			closeTogether.Do(func() { close(together) })
 		}
-		// Wait for the other saga, or give up: a lone saga loop never
-		// brings it here while this one waits.
+		// Wait for the other saga, or give up: calls made one after
+		// another never bring it here while this one waits.
 		select {
 		case <-together:
 			return nil
@@ -300,21 +302,56 @@ func TestPostgresRunsSagasSideBySide(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { app.db.Close() })
-	ts := serveInProcess(t, app, target, true)
-	watcher := watchFinal(t, target)
+	// Both sagas are started before any saga loop runs, so its first
+	// claim takes both, and they reach charge_card in the same round.
+	api := serveInProcess(t, app, target, false)
 	client := benchClient(2)
-	var wg sync.WaitGroup
+	var orderIDs []string
 	for i := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			createPaidOrder(t, client, ts.URL, watcher, fmt.Sprintf("side-by-side-%d", i))
-		}()
+		status, answer, err := postOrder(client, api.URL, fmt.Sprintf("side-by-side-%d", i), orderBody(5000, "sku-1", 1, pmCardVisa))
+		if err != nil || status != http.StatusCreated {
+			t.Fatalf("POST: got %d %s, %v; want 201", status, answer, err)
+		}
+		var order struct {
+			OrderID string `json:"order_id"`
+		}
+		if err := json.Unmarshal(answer, &order); err != nil {
+			t.Fatalf("decode %s: %v", answer, err)
+		}
+		orderIDs = append(orderIDs, order.OrderID)
 	}
-	wg.Wait()
+	ctx := context.Background()
+	payment := app.consumers()[0]
+	for sagas := 0; sagas < 2; {
+		if _, err := app.relayOnce(ctx, "test-relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := app.consumeOnce(ctx, payment, consumeBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if err := app.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM saga_instances`).Scan(&sagas); err != nil {
+			t.Fatal(err)
+		}
+	}
+	watcher := watchFinal(t, target)
+	serveInProcess(t, app, target, true)
+	for _, orderID := range orderIDs {
+		final := make(chan struct{})
+		go func() {
+			watcher.wait(orderID)
+			close(final)
+		}()
+		select {
+		case <-final:
+		case <-time.After(3 * wakeDeadline):
+			// Two calls made one after another, each waiting wakeDeadline
+			// for the other, still end within this.
+			t.Fatalf("order %s not final after %s", orderID, 3*wakeDeadline)
+		}
+	}
 	select {
 	case <-together:
 	default:
-		t.Fatal("the second saga reached the processor only after the first had given up waiting: sagas ran one after another")
+		t.Fatal("the second saga reached the processor only after the first had given up waiting: the round made its calls one after another")
 	}
 }

@@ -5,17 +5,23 @@
 // paused past it must not write). It advances the claimed sagas together,
 // in rounds: a round makes its card charges outside any transaction, then
 // runs every saga's step in one transaction with a savepoint per saga, so
-// a round costs one commit, not one per saga. A compensating saga, the rare
-// path, runs compensate on its own: one transaction per undone step.
+// a round costs one commit, not one per saga; the same commit claims the
+// sagas started meanwhile and reads the next round's. A compensating saga,
+// the rare path, runs compensate on its own: one transaction per undone
+// step.
 
 package main
 
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
+	"strings"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
@@ -39,60 +45,192 @@ func sagaBackoff(attempts int) time.Duration {
 // or the record of its call, in one transaction with a savepoint per saga
 // (sagaStepIn). One commit per round, not one per saga and step. A
 // compensating saga runs compensate, to its end, in its round.
+//
+// The sagas a round will run are read in the transaction before it: the
+// claim's, then the previous round's, after its steps. That transaction
+// also claims the sagas that became due meanwhile, up to max in all, so a
+// saga started while others are under way joins them at the next round
+// instead of waiting for them to finish; and the pass ends when no claimed
+// saga goes on.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
-	var leases []sagaClaim
+	var runs []*sagaRun
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		leases = nil
-		now := a.now()
-		// lease_token + 1: the claim's fencing token (see sagaClaim).
-		rows, err := tx.QueryContext(ctx, `
-			UPDATE saga_instances SET locked_by = ?, locked_until = ?, lease_token = lease_token + 1
-			WHERE saga_id IN (
-				SELECT saga_id FROM saga_instances
-				WHERE status IN ('in_progress', 'compensating')
-				  AND next_attempt_at <= ?
-				  AND (locked_until IS NULL OR locked_until <= ?)
-				ORDER BY next_attempt_at
-				LIMIT ? `+skipLocked(a.db)+`)
-			RETURNING saga_id, lease_token`,
-			workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
+		var err error
+		runs, err = a.claimSagas(ctx, tx, workerID, max)
 		if err != nil {
-			return fmt.Errorf("claim sagas: %w", err)
+			return err
 		}
-		defer rows.Close()
-		for rows.Next() {
-			lease := sagaClaim{WorkerID: workerID}
-			if err := rows.Scan(&lease.SagaID, &lease.Token); err != nil {
-				return fmt.Errorf("scan saga id: %w", err)
-			}
-			leases = append(leases, lease)
-		}
-		return rows.Err()
+		return a.readSagaRuns(ctx, tx, runs)
 	})
 	if err != nil {
 		return 0, err
 	}
-	// RETURNING gives no order; run them in the order claimed, so that a
-	// pass is the same every time (the simulator replays it from a seed).
-	sort.Slice(leases, func(i, j int) bool { return leases[i].SagaID < leases[j].SagaID })
-	runs := make([]*sagaRun, len(leases))
-	for i, lease := range leases {
-		runs[i] = &sagaRun{lease: lease}
-	}
+	claimed := len(runs)
 	var failures []error
 	for len(runs) > 0 {
-		runs, err = a.sagaRound(ctx, runs, &failures)
+		var admitted int
+		runs, admitted, err = a.sagaRound(ctx, workerID, max, runs, &failures)
 		if err != nil {
 			return 0, errors.Join(append(failures, err)...)
 		}
+		claimed += admitted
 	}
-	return len(leases), errors.Join(failures...)
+	return claimed, errors.Join(failures...)
+}
+
+// claimSagas claims, in tx, up to max runnable sagas for workerID (see
+// sagaOnce), and returns them in saga id order.
+func (a *App) claimSagas(ctx context.Context, tx *sql.Tx, workerID string, max int) ([]*sagaRun, error) {
+	now := a.now()
+	// lease_token + 1: the claim's fencing token (see sagaClaim).
+	rows, err := tx.QueryContext(ctx, `
+		UPDATE saga_instances SET locked_by = ?, locked_until = ?, lease_token = lease_token + 1
+		WHERE saga_id IN (
+			SELECT saga_id FROM saga_instances
+			WHERE status IN ('in_progress', 'compensating')
+			  AND next_attempt_at <= ?
+			  AND (locked_until IS NULL OR locked_until <= ?)
+			ORDER BY next_attempt_at
+			LIMIT ? `+skipLocked(a.db)+`)
+		RETURNING saga_id, lease_token`,
+		workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
+	if err != nil {
+		return nil, fmt.Errorf("claim sagas: %w", err)
+	}
+	defer rows.Close()
+	var runs []*sagaRun
+	for rows.Next() {
+		run := &sagaRun{lease: sagaClaim{WorkerID: workerID}}
+		if err := rows.Scan(&run.lease.SagaID, &run.lease.Token); err != nil {
+			return nil, fmt.Errorf("scan saga id: %w", err)
+		}
+		runs = append(runs, run)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	// RETURNING gives no order; run them in the order claimed, so that a
+	// pass is the same every time (the simulator replays it from a seed).
+	sort.Slice(runs, func(i, j int) bool { return runs[i].lease.SagaID < runs[j].lease.SagaID })
+	return runs, nil
+}
+
+// sagaWithSteps is a saga and its steps, in step order, as readSagas read
+// them.
+type sagaWithSteps struct {
+	saga  sagaRow
+	steps []sagaStepRow
+}
+
+// readSagas reads the sagas sagaIDs and their steps in one statement, so
+// the saga engine reads every saga of a round in one round trip (and, in
+// the round's transaction, from one snapshot). A saga that does not exist
+// is missing from the map.
+func readSagas(ctx context.Context, q queryer, sagaIDs []string) (map[string]sagaWithSteps, error) {
+	placeholders := make([]string, len(sagaIDs))
+	args := make([]any, len(sagaIDs))
+	for i, sagaID := range sagaIDs {
+		placeholders[i], args[i] = "?", sagaID
+	}
+	// A LEFT JOIN: a saga is written with its steps, but one without any
+	// must still read as a saga, not as missing.
+	rows, err := q.QueryContext(ctx, `
+		SELECT s.saga_id, s.order_id, s.status, s.current_step, s.attempts, s.failure_reason, s.last_error,
+		       s.traceparent, s.tracestate,
+		       t.step_index, t.step_name, t.status, t.attempts, t.result, t.error
+		FROM saga_instances s LEFT JOIN saga_steps t ON t.saga_id = s.saga_id
+		WHERE s.saga_id IN (`+strings.Join(placeholders, ", ")+`) ORDER BY s.saga_id, t.step_index`, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read sagas %v: %w", sagaIDs, err)
+	}
+	defer rows.Close()
+	sagas := make(map[string]sagaWithSteps, len(sagaIDs))
+	for rows.Next() {
+		var saga sagaRow
+		var traceparent, tracestate sql.NullString
+		var index, attempts sql.NullInt64
+		var name, status sql.NullString
+		var step sagaStepRow
+		err := rows.Scan(&saga.SagaID, &saga.OrderID, &saga.Status, &saga.CurrentStep, &saga.Attempts, &saga.FailureReason, &saga.LastError,
+			&traceparent, &tracestate,
+			&index, &name, &status, &attempts, &step.Result, &step.Error)
+		if err != nil {
+			return nil, fmt.Errorf("scan saga %s: %w", saga.SagaID, err)
+		}
+		saga.Trace = traceContextFrom(traceparent, tracestate)
+		read := sagas[saga.SagaID]
+		read.saga = saga
+		if index.Valid {
+			step.Index, step.Name, step.Status, step.Attempts = int(index.Int64), name.String, stepStatus(status.String), int(attempts.Int64)
+			read.steps = append(read.steps, step)
+		}
+		sagas[saga.SagaID] = read
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read sagas %v: %w", sagaIDs, err)
+	}
+	return sagas, nil
+}
+
+// sagaRead is what the engine read of a saga for its next round.
+type sagaRead struct {
+	saga  sagaRow
+	steps []sagaStepRow
+	// order is the saga's order, read the first time only: what the saga
+	// uses of it (items, amount, payment method) never changes.
+	order orderRow
+	// err: the saga could not be read (a broken row, or it is gone).
+	err error
+}
+
+// readSagaRuns reads every saga of runs and its steps in one statement of
+// q, and the order of a saga read for the first time, and keeps each read
+// for the saga's next round (run.read). A saga that cannot be read gets
+// the read's err; an error returned is q failing.
+func (a *App) readSagaRuns(ctx context.Context, q queryer, runs []*sagaRun) error {
+	if len(runs) == 0 {
+		return nil
+	}
+	sagaIDs := make([]string, len(runs))
+	for i, run := range runs {
+		sagaIDs[i] = run.lease.SagaID
+	}
+	sagas, err := readSagas(ctx, q, sagaIDs)
+	if err != nil {
+		return err
+	}
+	for _, run := range runs {
+		read, ok := sagas[run.lease.SagaID]
+		if !ok {
+			run.read = &sagaRead{err: fmt.Errorf("read saga %s: %w", run.lease.SagaID, sql.ErrNoRows)}
+			continue
+		}
+		run.read = &sagaRead{saga: read.saga, steps: read.steps}
+		if run.order.OrderID == "" {
+			order, err := readOrder(ctx, q, read.saga.OrderID)
+			var syntax *json.SyntaxError
+			var mistyped *json.UnmarshalTypeError
+			switch {
+			case errors.Is(err, errOrderNotFound), errors.As(err, &syntax), errors.As(err, &mistyped):
+				// A broken row is the saga's problem (it is set aside),
+				// not the round's.
+				run.read.err = err
+			case err != nil:
+				return err
+			}
+			run.read.order = order
+		}
+	}
+	return nil
 }
 
 // sagaRun is one claimed saga while sagaOnce advances it: what the worker
 // read of it this round, and what the processor answered.
 type sagaRun struct {
 	lease sagaClaim
+	// read is what the last transaction read of the saga for this round
+	// (readSagaRuns); nil if the saga must be read afresh.
+	read  *sagaRead
 	saga  sagaRow
 	steps []sagaStepRow
 	// order is read once: what the saga uses of it (items, amount,
@@ -156,8 +294,10 @@ func (n sagaNext) String() string {
 	return fmt.Sprintf("sagaNext(%d)", int(n))
 }
 
-// sagaRound reads every saga in runs, and advances each one step: a
-// compensating saga runs compensate on its own (runCompensation); for the
+// sagaRound advances every saga in runs one step, acting on what the
+// transaction before it read of each (run.read; a saga not read there is
+// read first): a compensating saga runs compensate on its own
+// (runCompensation); for the
 // others, the round makes its processor calls, then runs every saga's step
 // in one transaction. It returns the sagas that go on. Every write is
 // fenced by its saga's lease (fenceSaga, in the write's own savepoint), and
@@ -166,20 +306,37 @@ func (n sagaNext) String() string {
 // what it read before a pause can neither record a step over another
 // worker's nor pull a saga back.
 //
+// The round's transaction also claims, for workerID, the sagas that became
+// due, up to max with those that go on, and reads every saga of the next
+// round (readSagaRuns); it returns how many it claimed.
+//
 // A saga that fails unexpectedly (a bug, a broken row) is set aside for a
 // minute and reported in failures; it does not hold up the others. Returns
 // an error only when the worker must stop: errCrash, or the database
 // failing (nothing of the round's transaction is committed then; the sagas
 // come back when their leases pass).
-func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error) ([]*sagaRun, error) {
+func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, failures *[]error) ([]*sagaRun, int, error) {
+	var unread []*sagaRun
+	for _, run := range runs {
+		if run.read == nil {
+			unread = append(unread, run)
+		}
+	}
+	// Only the sagas of a round that ran no step (all compensated), or
+	// whose read failed, are read here, outside a transaction.
+	if err := a.readSagaRuns(ctx, a.db, unread); err != nil {
+		for _, run := range unread {
+			run.read = &sagaRead{err: err}
+		}
+	}
 	var again, stepping []*sagaRun
 	for _, run := range runs {
-		a.readSagaRun(ctx, run)
+		startSagaRound(run)
 		if run.unexpected == nil && run.action.kind == actionCompensate {
 			next, err := a.runCompensation(ctx, run)
 			if err != nil {
 				failSagaSpans(stepping, err)
-				return nil, err
+				return nil, 0, err
 			}
 			if next == sagaAgain {
 				again = append(again, run)
@@ -190,16 +347,20 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 		stepping = append(stepping, run)
 		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
 			failSagaSpans(stepping, err)
-			return nil, err
+			return nil, 0, err
 		}
 	}
 	runs = stepping
+	if len(runs) == 0 {
+		return again, 0, nil
+	}
 	if err := a.sagaCalls(ctx, runs); err != nil {
 		failSagaSpans(runs, err)
-		return nil, err
+		return nil, 0, err
 	}
 	var nexts []sagaNext
 	var asides []error
+	var admitted []*sagaRun
 	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
 		nexts, asides = make([]sagaNext, len(runs)), make([]error, len(runs))
 		for i, run := range runs {
@@ -224,11 +385,27 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 				nexts[i] = next
 			}
 		}
-		return nil
+		// The next round's sagas: those that go on, and those that became
+		// due meanwhile.
+		next := slices.Clone(again)
+		for i, run := range runs {
+			if nexts[i] == sagaAgain || nexts[i] == sagaStepDone {
+				next = append(next, run)
+			}
+		}
+		var err error
+		admitted = nil
+		if len(next) < max {
+			admitted, err = a.claimSagas(ctx, tx, workerID, max-len(next))
+			if err != nil {
+				return err
+			}
+		}
+		return a.readSagaRuns(ctx, tx, append(next, admitted...))
 	})
 	if err != nil {
 		failSagaSpans(runs, err)
-		return nil, err
+		return nil, 0, err
 	}
 	wroteEvent := false
 	for i, run := range runs {
@@ -246,7 +423,7 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 		case sagaWroteEvent:
 			wroteEvent = true
 		default:
-			return nil, fmt.Errorf("bug: unhandled saga next %d", nexts[i])
+			return nil, 0, fmt.Errorf("bug: unhandled saga next %d", nexts[i])
 		}
 	}
 	if wroteEvent {
@@ -254,7 +431,7 @@ func (a *App) sagaRound(ctx context.Context, runs []*sagaRun, failures *[]error)
 		// next poll to tell the order service.
 		a.wake.relay.signal()
 	}
-	return again, nil
+	return append(again, admitted...), len(admitted), nil
 }
 
 // observeSagaStep ends the span of run's step this round, and logs and
@@ -271,28 +448,24 @@ func (a *App) observeSagaStep(run *sagaRun, next sagaNext) {
 	}
 }
 
-// readSagaRun reads run's saga and steps afresh (and its order the first
-// time), and asks nextSagaAction what it does this round. A saga that
-// cannot be read (a broken row; or the database failing, which setting it
-// aside then finds out) gets run.unexpected.
-func (a *App) readSagaRun(ctx context.Context, run *sagaRun) {
+// startSagaRound takes what was read of run's saga for this round
+// (run.read) and asks nextSagaAction what it does. A saga that could not
+// be read (a broken row; or the database failing, which setting it aside
+// then finds out) gets run.unexpected.
+func startSagaRound(run *sagaRun) {
+	read := run.read
+	run.read = nil
 	run.called, run.chargeID, run.callErr, run.unexpected = false, "", nil, nil
 	run.step, run.stepOK = sagaStepRow{}, false
-	saga, steps, err := readSaga(ctx, a.db, run.lease.SagaID)
-	if err != nil {
-		run.unexpected = err
+	if read.err != nil {
+		run.unexpected = read.err
 		return
 	}
-	run.saga, run.steps = saga, steps
+	run.saga, run.steps = read.saga, read.steps
 	if run.order.OrderID == "" {
-		order, err := readOrder(ctx, a.db, saga.OrderID)
-		if err != nil {
-			run.unexpected = err
-			return
-		}
-		run.order = order
+		run.order = read.order
 	}
-	run.action, run.unexpected = nextSagaAction(saga, steps)
+	run.action, run.unexpected = nextSagaAction(run.saga, run.steps)
 	if run.action.kind == actionRunStep {
 		run.step, run.stepOK = run.action.step, true
 	}
@@ -390,7 +563,8 @@ func renewLease(tx *sql.Tx, now time.Time) error {
 // the same charge. The leases are renewed first, in one transaction for all
 // the calls, except those the last round's commit renewed (a saga whose
 // reserve_stock it recorded). A saga whose lease is gone gets callErr
-// errSagaLeaseLost and no call.
+// errSagaLeaseLost and no call. The calls run one after another, or side
+// by side if a.sagaCallsSideBySide.
 func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 	var calling []*sagaRun
 	for _, run := range runs {
@@ -434,24 +608,50 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 		run.called = true
 		if lost[i] {
 			run.callErr = errSagaLeaseLost
-			continue
-		}
-		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
-			return err
-		}
-		// The call is part of the step's span.
-		run.chargeID, run.callErr = a.chargeCard(trace.ContextWithSpan(ctx, run.span), run)
-		if errors.Is(run.callErr, errCrash) {
-			return run.callErr
-		}
-		if run.callErr != nil {
-			continue
-		}
-		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
-			return err
 		}
 	}
-	return nil
+	if !a.sagaCallsSideBySide {
+		for _, run := range calling {
+			if err := a.sagaCall(ctx, run); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// Side by side, each on a goroutine that ends before this returns: a
+	// round waits for its slowest call, not for the sum of them.
+	errs := make([]error, len(calling))
+	var wg sync.WaitGroup
+	for i, run := range calling {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = a.sagaCall(ctx, run)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// sagaCall charges the card for run (chargeCard), unless its lease is
+// lost, and keeps the answer for the round's transaction. Returns an
+// error only when the worker must stop (errCrash, a fault point's).
+func (a *App) sagaCall(ctx context.Context, run *sagaRun) error {
+	if run.callErr != nil {
+		return nil
+	}
+	if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
+		return err
+	}
+	// The call is part of the step's span.
+	run.chargeID, run.callErr = a.chargeCard(trace.ContextWithSpan(ctx, run.span), run)
+	if errors.Is(run.callErr, errCrash) {
+		return run.callErr
+	}
+	if run.callErr != nil {
+		return nil
+	}
+	return a.fault.at(ctx, faultAfterProcessorCall)
 }
 
 // sagaStepIn runs run's step in its own SAVEPOINT of tx and says what

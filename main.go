@@ -663,26 +663,21 @@ func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerI
 			return len(results), err
 		})
 	}
-	// On SQLite, one saga loop runs the sagas it claims one after another:
-	// there is one writer connection anyway, and `step` in a debugger meets
-	// one saga at a time. On PostgreSQL a saga spends its time waiting for
-	// round trips, so sagas run side by side: several loops, each claiming
-	// one saga at a time (SKIP LOCKED keeps them apart); a loop that found
-	// one wakes the next, since there may be more. (One loop working through
-	// a batch kept the sagas at its tail waiting: see BENCHMARKS.md.)
-	sagaLoops, sagaBatch := 1, sagaBatchSize
-	if dialectOf(app.db).name == "postgres" {
-		sagaLoops, sagaBatch = postgresSagaLoops, 1
-	}
-	for range sagaLoops {
-		startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, 0, func(ctx context.Context) (int, error) {
-			n, err := app.sagaOnce(ctx, workerID, sagaBatch)
-			if n > 0 && sagaLoops > 1 {
-				app.wake.saga.signal()
-			}
-			return n, err
-		})
-	}
+	// One saga loop: its rounds take every saga under way one step, in one
+	// commit, and claim those started meanwhile (sagaOnce), so sagas share
+	// commits instead of each loop paying its own. On PostgreSQL a round's
+	// processor calls run side by side, so a round waits for its slowest
+	// call rather than for all of them; on SQLite they run in order, and
+	// `step` in a debugger meets one saga at a time.
+	app.sagaCallsSideBySide = dialectOf(app.db).name == "postgres"
+	startLoop(ctx, wg, logger, "saga", app.idle.worker, app.wake.saga, 0, func(ctx context.Context) (int, error) {
+		_, err := app.sagaOnce(ctx, workerID, sagaBatchSize)
+		// A pass ends after a round whose claim found no saga due: the
+		// loop waits, as after a pass that found nothing, instead of
+		// claiming again at once a claim that would find nothing (a
+		// transaction on PostgreSQL). A saga started since signals it.
+		return 0, err
+	})
 	// The completer and cleanup look for what is left over (a refund whose
 	// request died, keys past their TTL): nothing to wake them for.
 	startLoop(ctx, wg, logger, "refund completer", time.Second, nil, 0, func(ctx context.Context) (int, error) {

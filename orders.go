@@ -355,10 +355,10 @@ func decodeOrderRequest(body []byte) (orderRequest, error) {
 // checkSKUs returns an *invalidRequestError if an item names a SKU the
 // warehouse does not stock. Too little stock is not an input error: the saga
 // finds out and cancels the order.
-func checkSKUs(ctx context.Context, db *sql.DB, items []orderItem) error {
+func checkSKUs(ctx context.Context, q queryer, items []orderItem) error {
 	for i, item := range items {
 		var exists bool
-		err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM stock_items WHERE sku = ?)`, item.SKU).Scan(&exists)
+		err := q.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM stock_items WHERE sku = ?)`, item.SKU).Scan(&exists)
 		if err != nil {
 			return fmt.Errorf("look up sku: %w", err)
 		}

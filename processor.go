@@ -67,7 +67,11 @@ type chargeRequest struct {
 func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, error) {
 	var chargeID, status string
 	var firstCall, keyHit bool
-	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+	// Locked by its key, as a create is (keyTx): a saga round makes its
+	// charges side by side, and under SERIALIZABLE two charges of
+	// different keys failed each other (each looked up a missing key and
+	// inserted one beside it), to be run again.
+	err := keyTx(ctx, p.db, "processor", req.IdempotencyKey, func(tx *sql.Tx) error {
 		keyHit = false
 		var orderID, currency, paymentMethod string
 		var amount int64

@@ -192,53 +192,21 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	return nil
 }
 
-// readSaga reads a saga and its steps in step order, in one statement:
-// one round trip, and on PostgreSQL one transaction, where two statements
-// outside a transaction were two of each (the saga engine reads every saga
-// it runs once a round), and could each see a different commit.
-// Returns an error wrapping sql.ErrNoRows if there is no such saga.
+// readSaga reads a saga and its steps in step order, in one statement
+// (readSagas): one round trip, and on PostgreSQL one transaction, where two
+// statements outside a transaction were two of each, and could each see a
+// different commit. Returns an error wrapping sql.ErrNoRows if there is no
+// such saga.
 func readSaga(ctx context.Context, q queryer, sagaID string) (sagaRow, []sagaStepRow, error) {
-	// A LEFT JOIN: a saga is written with its steps, but one without any
-	// must still read as a saga, not as missing.
-	rows, err := q.QueryContext(ctx, `
-		SELECT s.saga_id, s.order_id, s.status, s.current_step, s.attempts, s.failure_reason, s.last_error,
-		       s.traceparent, s.tracestate,
-		       t.step_index, t.step_name, t.status, t.attempts, t.result, t.error
-		FROM saga_instances s LEFT JOIN saga_steps t ON t.saga_id = s.saga_id
-		WHERE s.saga_id = ? ORDER BY t.step_index`, sagaID)
+	sagas, err := readSagas(ctx, q, []string{sagaID})
 	if err != nil {
-		return sagaRow{}, nil, fmt.Errorf("read saga %s: %w", sagaID, err)
+		return sagaRow{}, nil, err
 	}
-	defer rows.Close()
-	var saga sagaRow
-	var steps []sagaStepRow
-	found := false
-	for rows.Next() {
-		var traceparent, tracestate sql.NullString
-		var index, attempts sql.NullInt64
-		var name, status sql.NullString
-		var step sagaStepRow
-		err := rows.Scan(&saga.SagaID, &saga.OrderID, &saga.Status, &saga.CurrentStep, &saga.Attempts, &saga.FailureReason, &saga.LastError,
-			&traceparent, &tracestate,
-			&index, &name, &status, &attempts, &step.Result, &step.Error)
-		if err != nil {
-			return sagaRow{}, nil, fmt.Errorf("scan saga %s: %w", sagaID, err)
-		}
-		found = true
-		saga.Trace = traceContextFrom(traceparent, tracestate)
-		if !index.Valid {
-			continue // the saga has no steps
-		}
-		step.Index, step.Name, step.Status, step.Attempts = int(index.Int64), name.String, stepStatus(status.String), int(attempts.Int64)
-		steps = append(steps, step)
-	}
-	if err := rows.Err(); err != nil {
-		return sagaRow{}, nil, fmt.Errorf("read saga %s: %w", sagaID, err)
-	}
-	if !found {
+	read, ok := sagas[sagaID]
+	if !ok {
 		return sagaRow{}, nil, fmt.Errorf("read saga %s: %w", sagaID, sql.ErrNoRows)
 	}
-	return saga, steps, nil
+	return read.saga, read.steps, nil
 }
 
 // What a saga does next: the article's state machine, as functions of what

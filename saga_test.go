@@ -270,6 +270,33 @@ func TestSaga(t *testing.T) {
 		}
 	})
 
+	// Ensure a saga started while a pass is under way joins it at the next
+	// round, claimed in that round's commit, instead of waiting for the
+	// pass to end.
+	t.Run("SagaStartedDuringAPassJoinsIt", func(t *testing.T) {
+		env := MustOpenApp(t)
+		firstID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		startSagas(t, env)
+		var secondID string
+		env.fault.set(func(point faultPoint, pass int) error {
+			// The first saga is about to be charged: its pass is under way.
+			if point == faultBeforeProcessorCall && pass == 1 {
+				secondID = orderField(mustCreateOrder(t, env, "user-42", "k2", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+				startSagas(t, env)
+			}
+			return nil
+		})
+		ran, err := env.app.sagaOnce(ctx, "worker-1", sagaBatchSize)
+		if err != nil || ran != 2 {
+			t.Fatalf("got %d sagas run, %v; want 2: the one started during the pass joined it", ran, err)
+		}
+		for _, orderID := range []string{firstID, secondID} {
+			if got := sagaSteps(t, env, orderID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
+				t.Fatalf("saga of %s: %s", orderID, got)
+			}
+		}
+	})
+
 	// Ensure a saga that fails unexpectedly is set aside and reported, and
 	// the others claimed with it still run.
 	t.Run("BrokenSagaDoesNotHoldUpTheOthers", func(t *testing.T) {

@@ -326,8 +326,10 @@ func (a *App) receiveTraced(batch *consumedBatch, i int, tx *sql.Tx, c consumer,
 }
 
 // observeConsumed logs and counts what a committed batch did, and wakes
-// the saga loop if a message was applied: it may have started a saga
-// (startFulfilment), which it can run now that it is committed.
+// the saga loop if the payment service applied a message: it may have
+// started a saga (startFulfilment), which it can run now that it is
+// committed. (The order service starts none: waking the loop for it was a
+// claim that found nothing, a transaction on PostgreSQL, per order.)
 func (a *App) observeConsumed(ctx context.Context, c consumer, deliveries []delivery, results []receiveResult, batch *consumedBatch) {
 	if a.log.Enabled(ctx, slog.LevelInfo) {
 		for i, d := range deliveries {
@@ -340,7 +342,7 @@ func (a *App) observeConsumed(ctx context.Context, c consumer, deliveries []deli
 	}
 	a.observeFinalStates(ctx, c, deliveries, results)
 	for _, result := range results {
-		if result.Outcome == inboxApplied {
+		if result.Outcome == inboxApplied && c.name == paymentServiceConsumer {
 			a.wake.saga.signal()
 			break
 		}
