@@ -25,7 +25,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"sort"
 	"strings"
 )
 
@@ -184,23 +183,13 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 		if err != nil {
 			return fmt.Errorf("claim undelivered events: %w", err)
 		}
-		defer rows.Close()
-		for rows.Next() {
-			var event outboxEvent
-			var traceparent, tracestate sql.NullString
-			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken,
-				&traceparent, &tracestate); err != nil {
-				return fmt.Errorf("scan undelivered event: %w", err)
-			}
-			event.Trace = traceContextFrom(traceparent, tracestate)
-			events = append(events, event)
-		}
-		return rows.Err()
+		// republishes in place of attempts (scanClaimedEvents).
+		events, err = scanClaimedEvents(rows)
+		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	sort.Slice(events, func(i, j int) bool { return events[i].Seq < events[j].Seq })
 	return events, nil
 }
 

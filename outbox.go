@@ -176,23 +176,35 @@ func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) 
 		if err != nil {
 			return fmt.Errorf("claim outbox events: %w", err)
 		}
-		defer rows.Close()
-		for rows.Next() {
-			var event outboxEvent
-			var traceparent, tracestate sql.NullString
-			if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken,
-				&traceparent, &tracestate); err != nil {
-				return fmt.Errorf("scan outbox event: %w", err)
-			}
-			event.Trace = traceContextFrom(traceparent, tracestate)
-			events = append(events, event)
-		}
-		return rows.Err()
+		events, err = scanClaimedEvents(rows)
+		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	// RETURNING gives no order; publish in the order written.
+	return events, nil
+}
+
+// scanClaimedEvents reads the events a claim's RETURNING gives (seq,
+// event_id, event_type, aggregate_id, payload, attempts, lease_token,
+// traceparent, tracestate), closes rows, and returns the events in the
+// order they were written: RETURNING gives no order.
+func scanClaimedEvents(rows *sql.Rows) ([]outboxEvent, error) {
+	defer rows.Close()
+	var events []outboxEvent
+	for rows.Next() {
+		var event outboxEvent
+		var traceparent, tracestate sql.NullString
+		if err := rows.Scan(&event.Seq, &event.EventID, &event.EventType, &event.AggregateID, &event.Payload, &event.Attempts, &event.LeaseToken,
+			&traceparent, &tracestate); err != nil {
+			return nil, fmt.Errorf("scan claimed outbox event: %w", err)
+		}
+		event.Trace = traceContextFrom(traceparent, tracestate)
+		events = append(events, event)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
 	sort.Slice(events, func(i, j int) bool { return events[i].Seq < events[j].Seq })
 	return events, nil
 }
