@@ -99,7 +99,10 @@ type simCounts struct {
 	MultiItemOrders, KeysReused, ClockJumpsInTx int
 	ConsumerErrors, GroupBatches, GroupMembers  int
 	OwnRefundsAnnounced, FullDisks, AnswersFull int
-	Repairs                                     simRepairCounts
+	// Refunds abandoned mid-call and asked for again a day later
+	// (simulate_abandon.go).
+	simAbandonedCounts
+	Repairs simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -133,6 +136,8 @@ func (c *simCounts) add(other simCounts) {
 	c.OwnRefundsAnnounced += other.OwnRefundsAnnounced
 	c.FullDisks += other.FullDisks
 	c.AnswersFull += other.AnswersFull
+	c.AbandonedRefunds += other.AbandonedRefunds
+	c.CatchUps += other.CatchUps
 	c.Repairs.add(other.Repairs)
 }
 
@@ -141,9 +146,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it)",
+		"%d full disks (%d answers 503 for it), %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -216,6 +221,10 @@ type simRequest struct {
 	// a "made-up" one, or our "own" API refund), and the refund's amount.
 	eventID, eventKind string
 	refundAmount       int64
+	// unsettledAt is when the simulator last knew this refund's key was
+	// claimed and not settled: its process was killed mid-call, and
+	// nothing ran since (simulate_abandon.go).
+	unsettledAt time.Time
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -276,8 +285,11 @@ type simulation struct {
 	// step groupReleaseAt (see holdGroupCommit).
 	groupProcess   *simProcess
 	groupReleaseAt int
-	operator       simOperator
-	report         simReport
+	// abandoned is the refund whose process is killed mid-call, until its
+	// client comes back (simulate_abandon.go).
+	abandoned *simAbandoned
+	operator  simOperator
+	report    simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -530,6 +542,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	}
 	// Time passes between any two events, a little.
 	s.clock.advance(time.Duration(s.rng.IntN(400)) * time.Millisecond)
+	if returned, err := s.clientReturns(ctx); returned {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -671,6 +686,9 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	}
 	if action.crashed {
 		return errCrash
+	}
+	if abandoned, err := s.killAbandoned(ctx, action, point); abandoned {
+		return err
 	}
 	if err := s.brokenDependency(point); err != nil {
 		return err
@@ -1025,6 +1043,13 @@ func workerResult(n int, what string, err error) string {
 // hostile body, or a signed webhook.
 func (s *simulation) clientRequest(ctx context.Context) error {
 	client := pick(s, s.clients)
+	if s.abandoned == nil && s.chance(0.04) {
+		// A refund of a paid order, abandoned mid-call, asked for again
+		// a day later (simulate_abandon.go).
+		if started, err := s.abandonRefund(ctx, client); started || err != nil {
+			return err
+		}
+	}
 	var req *simRequest
 	switch roll := s.rng.IntN(100); {
 	case len(s.announced) > 0 && s.chance(0.5):
@@ -1243,9 +1268,12 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 // processor has made no charge yet.
 func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequest {
 	if len(s.webhooks) > 0 && s.chance(0.3) {
-		// A redelivery: the processor sends the same event again.
-		s.report.Counts.Webhooks++
-		return s.events[pick(s, s.webhooks)]
+		// A redelivery: the processor sends the same event again, within
+		// its retry window.
+		if event := s.events[pick(s, s.webhooks)]; !s.processorGaveUp(event) {
+			s.report.Counts.Webhooks++
+			return event
+		}
 	}
 	var chargeID, orderID string
 	var amount, refunded int64
@@ -1279,6 +1307,29 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 		s.model.dashboard[orderID] = append(s.model.dashboard[orderID], req)
 	}
 	return req
+}
+
+// processorRetryWindow is how long the processor delivers an event, again
+// and again until it is answered: Stripe retries for up to three days.
+// The inbox remembers a message id for messageRetention, a week: longer,
+// so that no redelivery finds its id forgotten and is applied twice.
+const processorRetryWindow = 3 * 24 * time.Hour
+
+// processorGaveUp reports whether the processor no longer sends event: it
+// was first sent longer than processorRetryWindow ago, and one delivery
+// was answered with its outcome (the processor does not give up on an
+// event that was never received; an operator resends it from its
+// dashboard).
+func (s *simulation) processorGaveUp(event *simRequest) bool {
+	if event.sends == 0 || s.clock.now().Sub(event.firstSentAt) < processorRetryWindow {
+		return false
+	}
+	for _, answer := range event.answers {
+		if webhookOutcome(answer) != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // newRefundEvent returns the n-th signed charge.refunded event the
@@ -1371,7 +1422,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
 			// (From when it was sent: a request that waited in a group
 			// commit's queue was decided before its client heard.)
-			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL {
+			// (A refund under the key whose outcome is in doubt holds it
+			// until it is finished, however long that takes.)
+			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL &&
+				!refundInDoubtUnderKey(req.client, req.key, req) {
 				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, action.sentAt.Sub(last))
 			}
 		}
@@ -1431,6 +1485,20 @@ func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time
 		}
 	}
 	return last, found
+}
+
+// refundInDoubtUnderKey reports whether a refund request of client under
+// key, other than except, may have claimed the key and has not learned its
+// outcome: its key is unfinished until the refund is, and no expiry frees
+// it (see lookupKey).
+func refundInDoubtUnderKey(client *simClient, key string, except *simRequest) bool {
+	for _, req := range client.requests {
+		if req != except && req.key == key && req.kind == "refund" && mayHaveClaimed(req) &&
+			(undecided(req) || req.sends > len(req.answers)) {
+			return true
+		}
+	}
+	return false
 }
 
 // shorten cuts s to n bytes for the trace.
@@ -1514,7 +1582,7 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		busy := false
 		for _, client := range s.clients {
 			for _, req := range client.requests {
-				if !undecided(req) {
+				if !undecided(req) || (req.kind == "webhook" && s.processorGaveUp(req)) {
 					continue
 				}
 				busy = true
