@@ -190,6 +190,14 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:    "KnownRefundLookedUpByOurID",
+			catcher: "TestHTTPWebhookHostile/OurOwnRefundAnnouncedWhilePendingIsCountedOnce",
+			fault:   "retrysafe: a charge.refunded for a refund we recorded is looked up by our refund id, not the processor's, and counted again",
+			edits: []mutationEdit{
+				{"webhook.go", "SELECT order_id, amount_cents FROM refunds WHERE processor_refund_id = ?", "SELECT order_id, amount_cents FROM refunds WHERE refund_id = ?"},
+			},
+		},
+		{
 			name:    "ReconcilerOff",
 			catcher: "TestDelivery/MessageTheBrokerLostIsRepublishedAndAppliedOnce",
 			fault:   "retrysafe: the broker's acknowledgement ends an event's life; a message the broker lost after acknowledging it leaves its order created for ever",
