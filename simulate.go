@@ -236,6 +236,9 @@ type simAnswer struct {
 	// sentAt is when the send it answers began; lifeStart the key's life
 	// it was given in (see simModel.sent).
 	sentAt, lifeStart time.Time
+	// replayed is set when the answer came from the key, stored by an
+	// earlier send or the refund completer (Idempotent-Replayed: true).
+	replayed bool
 }
 
 // simulation is the state of one run.
@@ -1364,7 +1367,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		return nil
 	}
 	answer := simAnswer{step: s.step, status: action.recorder.Code, body: action.recorder.Body.String(), at: s.clock.now(),
-		sentAt: action.sentAt, lifeStart: req.lifeStart}
+		sentAt: action.sentAt, lifeStart: req.lifeStart, replayed: action.recorder.Header().Get("Idempotent-Replayed") == "true"}
 	req.answers = append(req.answers, answer)
 	s.tracef("a%d %s %s: %d %s", action.id, action.process.name, action.what, answer.status, shorten(answer.body, 120))
 	if answer.status >= 500 && answer.status != http.StatusServiceUnavailable {

@@ -482,8 +482,11 @@ func (m *simModel) judgeRefund(s *simulation, action *simAction, answer simAnswe
 		order.leftCreated = true
 	case kind == problemRefundTooLarge:
 		// An order certainly refunded in full is no longer paid: it is
-		// refused as not refundable before any amount is looked at.
-		if !mayBePaid || need <= order.amount-b.ourMax || b.ourMin >= order.amount {
+		// refused as not refundable before any amount is looked at. (A
+		// replayed answer was stored earlier, by the request's first
+		// send or the completer, maybe while the last refund was still
+		// pending and the order paid.)
+		if !mayBePaid || need <= order.amount-b.ourMax || (b.ourMin >= order.amount && !answer.replayed) {
 			return refuse("a refund that fits was refused as too large")
 		}
 		order.leftCreated = true
