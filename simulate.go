@@ -627,7 +627,9 @@ func (s *simulation) freeDisk(ctx context.Context) error {
 // rarely past a key's expiry; but as often as not past the expiry while a
 // refund is left unfinished (its answer lost, its process crashed): the
 // completer may then finish it only after its key's first day has passed,
-// and the client that comes back must still get its answer. While
+// and the client that comes back must still get its answer. (By chance
+// alone a refund is rarely unfinished at a jump: simulate_abandon.go
+// builds that scenario on purpose.) While
 // something waits for an operator, a jump past a key's expiry is as often
 // a week: the operator is away, and cleanup passes the message retention.
 func (s *simulation) jumpClock() {
@@ -1829,9 +1831,9 @@ responses, database outages (one may begin inside a transaction, or just
 after a commit, whose answer is then lost; on PostgreSQL also backends
 terminated mid-transaction and serialization failures), a full disk, group
 commits of several members, consumers that fail, orders of several items,
-keys reused on another route, our own refunds announced in flight, and a
-broker that delivers a batch out of order, loses acks and gets publishes
-twice. Every answer is judged, as it is given, against a reference model
+keys reused on another route, our own refunds announced in flight, refunds
+abandoned mid-call and asked for again a day later, and a broker that
+delivers a batch out of order, loses acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
 of what the request must get; after every step the in-flight invariants
 of check must hold; at the end the system is made quiet and the full
 check, each order's fate and every answer the clients got are checked.
