@@ -102,7 +102,10 @@ type simCounts struct {
 	// Refunds abandoned mid-call and asked for again a day later
 	// (simulate_abandon.go).
 	simAbandonedCounts
-	Repairs simRepairCounts
+	// FrozenSagaWorkers counts saga passes frozen past their lease while
+	// another worker took their sagas over (simulate_freeze.go).
+	FrozenSagaWorkers int
+	Repairs           simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -138,6 +141,7 @@ func (c *simCounts) add(other simCounts) {
 	c.AnswersFull += other.AnswersFull
 	c.AbandonedRefunds += other.AbandonedRefunds
 	c.CatchUps += other.CatchUps
+	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.Repairs.add(other.Repairs)
 }
 
@@ -146,9 +150,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -291,8 +295,11 @@ type simulation struct {
 	// abandoned is the refund whose process is killed mid-call, until its
 	// client comes back (simulate_abandon.go).
 	abandoned *simAbandoned
-	operator  simOperator
-	report    simReport
+	// frozen is the saga pass frozen past its lease, until it wakes up
+	// (simulate_freeze.go).
+	frozen   *simFrozen
+	operator simOperator
+	report   simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -548,6 +555,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	if returned, err := s.clientReturns(ctx); returned {
 		return err
 	}
+	if moved, err := s.frozenWorkerStep(ctx); moved {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -751,6 +761,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		// count nothing twice.
 		hold = s.announceOwnRefund(ctx, action.request)
 	}
+	hold = hold || s.freezeSagaWorker(action, point)
 	// Mostly the process just goes on; sometimes it is held here while
 	// others run (and the clock may pass its leases).
 	if !hold && !s.chance(0.25) {
@@ -1076,6 +1087,11 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			recent = recent[len(recent)-3:]
 		}
 		req = pick(s, recent)
+		if req.kind == "webhook" && s.processorGaveUp(req) {
+			// Its retry window is over: the processor sends it no more.
+			req = s.newCreate(client)
+			break
+		}
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
 		// Mostly one of the older orders, which have had time to be paid.

@@ -79,6 +79,9 @@ func TestSimulation(t *testing.T) {
 		// claim and its settling that is finished a day later.
 		t.Errorf("in %d seeds no refund was abandoned mid-call and asked for again a day later", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.FrozenSagaWorkers == 0 {
+		t.Errorf("in %d seeds no saga worker was frozen past its lease while another took its sagas over", seeds)
+	}
 }
 
 // Ensure the simulated processor stops redelivering an event once it was
