@@ -1848,8 +1848,9 @@ after a commit, whose answer is then lost; on PostgreSQL also backends
 terminated mid-transaction and serialization failures), a full disk, group
 commits of several members, consumers that fail, orders of several items,
 keys reused on another route, our own refunds announced in flight, refunds
-abandoned mid-call and asked for again a day later, and a broker that
-delivers a batch out of order, loses acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
+abandoned mid-call and asked for again a day later, saga workers frozen
+past their lease, and a broker that delivers a batch out of order, loses
+acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
 of what the request must get; after every step the in-flight invariants
 of check must hold; at the end the system is made quiet and the full
 check, each order's fate and every answer the clients got are checked.
