@@ -1443,10 +1443,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
 			// (From when it was sent: a request that waited in a group
 			// commit's queue was decided before its client heard.)
-			// (A refund under the key whose outcome is in doubt holds it
-			// until it is finished, however long that takes.)
+			// (Unless a request under the key whose outcome is in doubt
+			// may hold it: see heldInDoubt.)
 			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL &&
-				!refundInDoubtUnderKey(req.client, req.key, req) {
+				!heldInDoubt(req.client, req.key, req, action.sentAt) {
 				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, action.sentAt.Sub(last))
 			}
 		}
@@ -1508,14 +1508,17 @@ func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time
 	return last, found
 }
 
-// refundInDoubtUnderKey reports whether a refund request of client under
-// key, other than except, may have claimed the key and has not learned its
-// outcome: its key is unfinished until the refund is, and no expiry frees
-// it (see lookupKey).
-func refundInDoubtUnderKey(client *simClient, key string, except *simRequest) bool {
+// heldInDoubt reports whether a request of client under key, other than
+// except, whose outcome its client never learned may hold the key at at:
+// a send whose connection dropped (a create queued in a group commit
+// whose process crashed may still be committed by its leader) holds it
+// for a day from when it ended; a refund in doubt, until it is finished,
+// however long that takes, since an unfinished key never expires (see
+// lookupKey and mayHoldUntil).
+func heldInDoubt(client *simClient, key string, except *simRequest, at time.Time) bool {
 	for _, req := range client.requests {
-		if req != except && req.key == key && req.kind == "refund" && mayHaveClaimed(req) &&
-			(undecided(req) || req.sends > len(req.answers)) {
+		inDoubt := req.sends > len(req.answers) || (req.kind == "refund" && undecided(req))
+		if req != except && req.key == key && inDoubt && mayHaveClaimed(req) && at.Before(mayHoldUntil(req)) {
 			return true
 		}
 	}

@@ -106,21 +106,32 @@ func TestSimulatedProcessorGivesUpAfterItsRetryWindow(t *testing.T) {
 	}
 }
 
-// Ensure a key stays taken while a refund under it is in doubt: a create
+// Ensure a key stays taken while a request under it is in doubt: a create
 // under it refused as reused is right however long ago the key's other
-// answers were, since an unfinished refund key never expires.
-func TestSimulatedRefundInDoubtHoldsItsKey(t *testing.T) {
+// answers were while a refund under it is unfinished (an unfinished key
+// never expires), and for a day after a send whose connection dropped.
+func TestSimulatedRequestInDoubtHoldsItsKey(t *testing.T) {
+	now := time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)
 	client := &simClient{name: "c1", user: "user-42"}
 	create := &simRequest{client: client, kind: "create", key: "k1", sends: 1, answers: []simAnswer{{status: http.StatusCreated}}}
-	refund := &simRequest{client: client, kind: "refund", key: "k1", sends: 1,
+	refund := &simRequest{client: client, kind: "refund", key: "k1", sends: 1, lastEnd: now,
 		answers: []simAnswer{{status: http.StatusServiceUnavailable, body: `{"type":"/problems/temporarily-unavailable"}`}}}
 	client.requests = []*simRequest{create, refund}
-	if !refundInDoubtUnderKey(client, "k1", create) {
+	if !heldInDoubt(client, "k1", create, now.Add(30*idempotencyKeyTTL)) {
 		t.Error("a refund answered only 503 does not hold its key")
 	}
 	refund.answers = append(refund.answers, simAnswer{status: http.StatusOK, body: `{"refund_id":"rf_1"}`})
-	if refundInDoubtUnderKey(client, "k1", create) {
+	refund.sends++
+	if heldInDoubt(client, "k1", create, now) {
 		t.Error("a refund answered 200 still holds its key")
+	}
+	dropped := &simRequest{client: client, kind: "create", key: "k1", sends: 1, lastEnd: now}
+	client.requests = append(client.requests, dropped)
+	if !heldInDoubt(client, "k1", create, now.Add(idempotencyKeyTTL-time.Second)) {
+		t.Error("a create whose connection dropped does not hold its key for a day")
+	}
+	if heldInDoubt(client, "k1", create, now.Add(idempotencyKeyTTL)) {
+		t.Error("a create whose connection dropped holds its key past a day")
 	}
 }
 
