@@ -99,7 +99,13 @@ type simCounts struct {
 	MultiItemOrders, KeysReused, ClockJumpsInTx int
 	ConsumerErrors, GroupBatches, GroupMembers  int
 	OwnRefundsAnnounced, FullDisks, AnswersFull int
-	Repairs                                     simRepairCounts
+	// Refunds abandoned mid-call and asked for again a day later
+	// (simulate_abandon.go).
+	simAbandonedCounts
+	// FrozenSagaWorkers counts saga passes frozen past their lease while
+	// another worker took their sagas over (simulate_freeze.go).
+	FrozenSagaWorkers int
+	Repairs           simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -133,6 +139,9 @@ func (c *simCounts) add(other simCounts) {
 	c.OwnRefundsAnnounced += other.OwnRefundsAnnounced
 	c.FullDisks += other.FullDisks
 	c.AnswersFull += other.AnswersFull
+	c.AbandonedRefunds += other.AbandonedRefunds
+	c.CatchUps += other.CatchUps
+	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.Repairs.add(other.Repairs)
 }
 
@@ -141,9 +150,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it)",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -216,6 +225,10 @@ type simRequest struct {
 	// a "made-up" one, or our "own" API refund), and the refund's amount.
 	eventID, eventKind string
 	refundAmount       int64
+	// unsettledAt is when the simulator last knew this refund's key was
+	// claimed and not settled: its process was killed mid-call, and
+	// nothing ran since (simulate_abandon.go).
+	unsettledAt time.Time
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -227,6 +240,9 @@ type simAnswer struct {
 	// sentAt is when the send it answers began; lifeStart the key's life
 	// it was given in (see simModel.sent).
 	sentAt, lifeStart time.Time
+	// replayed is set when the answer came from the key, stored by an
+	// earlier send or the refund completer (Idempotent-Replayed: true).
+	replayed bool
 }
 
 // simulation is the state of one run.
@@ -276,8 +292,14 @@ type simulation struct {
 	// step groupReleaseAt (see holdGroupCommit).
 	groupProcess   *simProcess
 	groupReleaseAt int
-	operator       simOperator
-	report         simReport
+	// abandoned is the refund whose process is killed mid-call, until its
+	// client comes back (simulate_abandon.go).
+	abandoned *simAbandoned
+	// frozen is the saga pass frozen past its lease, until it wakes up
+	// (simulate_freeze.go).
+	frozen   *simFrozen
+	operator simOperator
+	report   simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -530,6 +552,12 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	}
 	// Time passes between any two events, a little.
 	s.clock.advance(time.Duration(s.rng.IntN(400)) * time.Millisecond)
+	if returned, err := s.clientReturns(ctx); returned {
+		return err
+	}
+	if moved, err := s.frozenWorkerStep(ctx); moved {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -609,7 +637,9 @@ func (s *simulation) freeDisk(ctx context.Context) error {
 // rarely past a key's expiry; but as often as not past the expiry while a
 // refund is left unfinished (its answer lost, its process crashed): the
 // completer may then finish it only after its key's first day has passed,
-// and the client that comes back must still get its answer. While
+// and the client that comes back must still get its answer. (By chance
+// alone a refund is rarely unfinished at a jump: simulate_abandon.go
+// builds that scenario on purpose.) While
 // something waits for an operator, a jump past a key's expiry is as often
 // a week: the operator is away, and cleanup passes the message retention.
 func (s *simulation) jumpClock() {
@@ -672,6 +702,9 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	if action.crashed {
 		return errCrash
 	}
+	if abandoned, err := s.killAbandoned(ctx, action, point); abandoned {
+		return err
+	}
 	if err := s.brokenDependency(point); err != nil {
 		return err
 	}
@@ -728,6 +761,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		// count nothing twice.
 		hold = s.announceOwnRefund(ctx, action.request)
 	}
+	hold = hold || s.freezeSagaWorker(action, point)
 	// Mostly the process just goes on; sometimes it is held here while
 	// others run (and the clock may pass its leases).
 	if !hold && !s.chance(0.25) {
@@ -1025,6 +1059,13 @@ func workerResult(n int, what string, err error) string {
 // hostile body, or a signed webhook.
 func (s *simulation) clientRequest(ctx context.Context) error {
 	client := pick(s, s.clients)
+	if s.abandoned == nil && s.chance(0.04) {
+		// A refund of a paid order, abandoned mid-call, asked for again
+		// a day later (simulate_abandon.go).
+		if started, err := s.abandonRefund(ctx, client); started || err != nil {
+			return err
+		}
+	}
 	var req *simRequest
 	switch roll := s.rng.IntN(100); {
 	case len(s.announced) > 0 && s.chance(0.5):
@@ -1046,6 +1087,11 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			recent = recent[len(recent)-3:]
 		}
 		req = pick(s, recent)
+		if req.kind == "webhook" && s.processorGaveUp(req) {
+			// Its retry window is over: the processor sends it no more.
+			req = s.newCreate(client)
+			break
+		}
 		s.report.Counts.Retries++
 	case roll < 75 && len(client.orders) > 0:
 		// Mostly one of the older orders, which have had time to be paid.
@@ -1243,9 +1289,12 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 // processor has made no charge yet.
 func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequest {
 	if len(s.webhooks) > 0 && s.chance(0.3) {
-		// A redelivery: the processor sends the same event again.
-		s.report.Counts.Webhooks++
-		return s.events[pick(s, s.webhooks)]
+		// A redelivery: the processor sends the same event again, within
+		// its retry window.
+		if event := s.events[pick(s, s.webhooks)]; !s.processorGaveUp(event) {
+			s.report.Counts.Webhooks++
+			return event
+		}
 	}
 	var chargeID, orderID string
 	var amount, refunded int64
@@ -1281,6 +1330,29 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	return req
 }
 
+// processorRetryWindow is how long the processor delivers an event, again
+// and again until it is answered: Stripe retries for up to three days.
+// The inbox remembers a message id for messageRetention, a week: longer,
+// so that no redelivery finds its id forgotten and is applied twice.
+const processorRetryWindow = 3 * 24 * time.Hour
+
+// processorGaveUp reports whether the processor no longer sends event: it
+// was first sent longer than processorRetryWindow ago, and one delivery
+// was answered with its outcome (the processor does not give up on an
+// event that was never received; an operator resends it from its
+// dashboard).
+func (s *simulation) processorGaveUp(event *simRequest) bool {
+	if event.sends == 0 || s.clock.now().Sub(event.firstSentAt) < processorRetryWindow {
+		return false
+	}
+	for _, answer := range event.answers {
+		if webhookOutcome(answer) != "" {
+			return true
+		}
+	}
+	return false
+}
+
 // newRefundEvent returns the n-th signed charge.refunded event the
 // processor sends, of kind (see simRequest.eventKind).
 func (s *simulation) newRefundEvent(client *simClient, n int, kind, chargeID, refundID, orderID string, amount int64) *simRequest {
@@ -1313,7 +1385,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		return nil
 	}
 	answer := simAnswer{step: s.step, status: action.recorder.Code, body: action.recorder.Body.String(), at: s.clock.now(),
-		sentAt: action.sentAt, lifeStart: req.lifeStart}
+		sentAt: action.sentAt, lifeStart: req.lifeStart, replayed: action.recorder.Header().Get("Idempotent-Replayed") == "true"}
 	req.answers = append(req.answers, answer)
 	s.tracef("a%d %s %s: %d %s", action.id, action.process.name, action.what, answer.status, shorten(answer.body, 120))
 	if answer.status >= 500 && answer.status != http.StatusServiceUnavailable {
@@ -1371,7 +1443,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused {
 			// (From when it was sent: a request that waited in a group
 			// commit's queue was decided before its client heard.)
-			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL {
+			// (Unless a request under the key whose outcome is in doubt
+			// may hold it: see heldInDoubt.)
+			if last, ok := lastAnswerUnderKey(req.client, req.key, req); ok && action.sentAt.Sub(last) >= idempotencyKeyTTL &&
+				!heldInDoubt(req.client, req.key, req, action.sentAt) {
 				return s.fail("key %s of %s is refused as reused %s after its last answer: it has expired", req.key, req.client.user, action.sentAt.Sub(last))
 			}
 		}
@@ -1431,6 +1506,23 @@ func lastAnswerUnderKey(client *simClient, key string, except *simRequest) (time
 		}
 	}
 	return last, found
+}
+
+// heldInDoubt reports whether a request of client under key, other than
+// except, whose outcome its client never learned may hold the key at at:
+// a send whose connection dropped (a create queued in a group commit
+// whose process crashed may still be committed by its leader) holds it
+// for a day from when it ended; a refund in doubt, until it is finished,
+// however long that takes, since an unfinished key never expires (see
+// lookupKey and mayHoldUntil).
+func heldInDoubt(client *simClient, key string, except *simRequest, at time.Time) bool {
+	for _, req := range client.requests {
+		inDoubt := req.sends > len(req.answers) || (req.kind == "refund" && undecided(req))
+		if req != except && req.key == key && inDoubt && mayHaveClaimed(req) && at.Before(mayHoldUntil(req)) {
+			return true
+		}
+	}
+	return false
 }
 
 // shorten cuts s to n bytes for the trace.
@@ -1514,7 +1606,7 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		busy := false
 		for _, client := range s.clients {
 			for _, req := range client.requests {
-				if !undecided(req) {
+				if !undecided(req) || (req.kind == "webhook" && s.processorGaveUp(req)) {
 					continue
 				}
 				busy = true
@@ -1758,9 +1850,10 @@ responses, database outages (one may begin inside a transaction, or just
 after a commit, whose answer is then lost; on PostgreSQL also backends
 terminated mid-transaction and serialization failures), a full disk, group
 commits of several members, consumers that fail, orders of several items,
-keys reused on another route, our own refunds announced in flight, and a
-broker that delivers a batch out of order, loses acks and gets publishes
-twice. Every answer is judged, as it is given, against a reference model
+keys reused on another route, our own refunds announced in flight, refunds
+abandoned mid-call and asked for again a day later, saga workers frozen
+past their lease, and a broker that delivers a batch out of order, loses
+acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
 of what the request must get; after every step the in-flight invariants
 of check must hold; at the end the system is made quiet and the full
 check, each order's fate and every answer the clients got are checked.

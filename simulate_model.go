@@ -426,6 +426,10 @@ func (m *simModel) judgeRefund(s *simulation, action *simAction, answer simAnswe
 		return nil
 	}
 	if kind == problemKeyExpired {
+		if unsettled, ok := m.unsettledUnderKey(req); ok && answer.at.Before(unsettled.Add(idempotencyKeyTTL)) {
+			return s.fail("refund key %s of %s was refused as expired %s after it was last known unsettled: it replays for a day from its answer",
+				req.key, req.client.user, answer.at.Sub(unsettled))
+		}
 		if !m.mayHaveRefundedUnderKey(req, answer.at) {
 			return s.fail("refund key %s of %s was refused as expired, but no refund of order %s can have been made under it a day ago",
 				req.key, req.client.user, order.id)
@@ -478,8 +482,11 @@ func (m *simModel) judgeRefund(s *simulation, action *simAction, answer simAnswe
 		order.leftCreated = true
 	case kind == problemRefundTooLarge:
 		// An order certainly refunded in full is no longer paid: it is
-		// refused as not refundable before any amount is looked at.
-		if !mayBePaid || need <= order.amount-b.ourMax || b.ourMin >= order.amount {
+		// refused as not refundable before any amount is looked at. (A
+		// replayed answer was stored earlier, by the request's first
+		// send or the completer, maybe while the last refund was still
+		// pending and the order paid.)
+		if !mayBePaid || need <= order.amount-b.ourMax || (b.ourMin >= order.amount && !answer.replayed) {
 			return refuse("a refund that fits was refused as too large")
 		}
 		order.leftCreated = true
@@ -531,6 +538,20 @@ func (m *simModel) mayHaveRefundedUnderKey(req *simRequest, at time.Time) bool {
 		}
 	}
 	return false
+}
+
+// unsettledUnderKey returns the latest time the simulator knows a refund
+// under req's key, for req's order, was claimed and not settled (see
+// simRequest.unsettledAt): its answer, whenever stored, came later, and
+// the key replays it for a day from then.
+func (m *simModel) unsettledUnderKey(req *simRequest) (time.Time, bool) {
+	var latest time.Time
+	for _, other := range m.keys[keyID(req.client.user, req.key)] {
+		if other.kind == "refund" && other.path == req.path && other.unsettledAt.After(latest) {
+			latest = other.unsettledAt
+		}
+	}
+	return latest, !latest.IsZero()
 }
 
 // mustBeExpired reports whether req certainly made a refund of its order

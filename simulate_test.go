@@ -74,6 +74,65 @@ func TestSimulation(t *testing.T) {
 	}
 	t.Logf("%d seeds: %d requests, %d crashes, %d database outages, %d lost commit answers%s",
 		seeds, total.Requests, total.Crashes, total.Outages, total.LostCommits, total.summary(onPostgres()))
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.AbandonedRefunds == 0 {
+		// Left to chance, no run has a refund cut off between its key's
+		// claim and its settling that is finished a day later.
+		t.Errorf("in %d seeds no refund was abandoned mid-call and asked for again a day later", seeds)
+	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.FrozenSagaWorkers == 0 {
+		t.Errorf("in %d seeds no saga worker was frozen past its lease while another took its sagas over", seeds)
+	}
+}
+
+// Ensure the simulated processor stops redelivering an event once it was
+// received and its retry window has passed, and never gives up on one it
+// could not deliver: a redelivery a week later would find the inbox's
+// record of it cleaned up, which no processor does.
+func TestSimulatedProcessorGivesUpAfterItsRetryWindow(t *testing.T) {
+	s := &simulation{clock: newFakeClock(time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC))}
+	applied := simAnswer{status: http.StatusOK, body: `{"received":true,"outcome":"applied"}`}
+	unavailable := simAnswer{status: http.StatusServiceUnavailable, body: `{"status":503}`}
+	received := &simRequest{kind: "webhook", sends: 2, firstSentAt: s.clock.now(), answers: []simAnswer{applied, unavailable}}
+	neverReceived := &simRequest{kind: "webhook", sends: 1, firstSentAt: s.clock.now(), answers: []simAnswer{unavailable}}
+	if s.processorGaveUp(received) || s.processorGaveUp(neverReceived) {
+		t.Fatal("the processor gave up on an event within its retry window")
+	}
+	s.clock.advance(processorRetryWindow)
+	if !s.processorGaveUp(received) {
+		t.Error("the processor still redelivers an event it delivered, past its retry window")
+	}
+	if s.processorGaveUp(neverReceived) {
+		t.Error("the processor gave up on an event it never delivered")
+	}
+}
+
+// Ensure a key stays taken while a request under it is in doubt: a create
+// under it refused as reused is right however long ago the key's other
+// answers were while a refund under it is unfinished (an unfinished key
+// never expires), and for a day after a send whose connection dropped.
+func TestSimulatedRequestInDoubtHoldsItsKey(t *testing.T) {
+	now := time.Date(2026, 1, 5, 9, 0, 0, 0, time.UTC)
+	client := &simClient{name: "c1", user: "user-42"}
+	create := &simRequest{client: client, kind: "create", key: "k1", sends: 1, answers: []simAnswer{{status: http.StatusCreated}}}
+	refund := &simRequest{client: client, kind: "refund", key: "k1", sends: 1, lastEnd: now,
+		answers: []simAnswer{{status: http.StatusServiceUnavailable, body: `{"type":"/problems/temporarily-unavailable"}`}}}
+	client.requests = []*simRequest{create, refund}
+	if !heldInDoubt(client, "k1", create, now.Add(30*idempotencyKeyTTL)) {
+		t.Error("a refund answered only 503 does not hold its key")
+	}
+	refund.answers = append(refund.answers, simAnswer{status: http.StatusOK, body: `{"refund_id":"rf_1"}`})
+	refund.sends++
+	if heldInDoubt(client, "k1", create, now) {
+		t.Error("a refund answered 200 still holds its key")
+	}
+	dropped := &simRequest{client: client, kind: "create", key: "k1", sends: 1, lastEnd: now}
+	client.requests = append(client.requests, dropped)
+	if !heldInDoubt(client, "k1", create, now.Add(idempotencyKeyTTL-time.Second)) {
+		t.Error("a create whose connection dropped does not hold its key for a day")
+	}
+	if heldInDoubt(client, "k1", create, now.Add(idempotencyKeyTTL)) {
+		t.Error("a create whose connection dropped holds its key past a day")
+	}
 }
 
 // simulationPostgresWorkers is how many seeds TestSimulation runs at once on
