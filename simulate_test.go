@@ -84,6 +84,32 @@ func TestSimulation(t *testing.T) {
 	}
 }
 
+// Ensure the seeds that once failed on a fault of the simulator itself
+// pass: 1779, whose catch-up of the workers (a calm hour, nothing failing)
+// met a commit fault armed in an earlier transaction that had ended
+// without committing.
+func TestSimulationSeedsThatFailedTheSimulator(t *testing.T) {
+	if onPostgres() {
+		t.Skip("these seeds are SQLite's runs")
+	}
+	for _, seed := range []uint64{1779} {
+		path, remove, err := simulationDatabase()
+		if err != nil {
+			t.Fatal(err)
+		}
+		report, err := simulateOnce(context.Background(), simOptions{seed: seed, steps: simulationSteps, path: path})
+		if rerr := remove(); rerr != nil && err == nil {
+			err = rerr
+		}
+		if err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		if report.Failure != "" {
+			t.Fatalf("seed %d failed at step %d: %s\nreplay: %s", seed, report.FailureStep, report.Failure, simulationReplay(seed))
+		}
+	}
+}
+
 // Ensure the simulated processor stops redelivering an event once it was
 // received and its retry window has passed, and never gives up on one it
 // could not deliver: a redelivery a week later would find the inbox's
