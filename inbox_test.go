@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"strings"
@@ -10,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // outagePass runs one consume pass of c whose batch transaction cannot
@@ -71,6 +74,27 @@ func TestInbox(t *testing.T) {
 		})
 		if !isDatabaseUnavailable(err) {
 			t.Fatalf("a message that filled the disk failed with %v, want the database unavailable", err)
+		}
+	})
+
+	// Ensure a message whose effect meets the database failing for a
+	// moment (a dropped connection, a serialization failure, a lock held
+	// past the busy timeout), in a transaction that could still write,
+	// rolls back and counts nothing against the message: a long outage
+	// must not use up its tries and make it poison.
+	t.Run("TransientDatabaseErrorCountsNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		for _, transient := range []error{
+			fmt.Errorf("write the effect: %w", driver.ErrBadConn),
+			fmt.Errorf("write the effect: %w", &pgconn.PgError{Code: pgSerializationFailure}),
+		} {
+			result, err := env.app.receive(ctx, "billing", "msg-transient", 1, func(tx *sql.Tx) error { return transient })
+			if err == nil {
+				t.Fatalf("%v: got %s and no error, want the transaction rolled back", transient, result.Outcome)
+			}
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages) + (SELECT COUNT(*) FROM inbox_failures)`); n != 0 {
+			t.Fatalf("a transient failure of the database left %d rows counted against the message", n)
 		}
 	})
 

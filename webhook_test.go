@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -205,6 +206,39 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		}
 		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1" {
 			t.Fatalf("order %s, want paid:1", got)
+		}
+		requireOrderSound(t, env, ts, keyUser42, orderID)
+	})
+
+	// Ensure a signed event waits while the processor cannot be asked
+	// about the refund it names: not counted, not recorded, and the
+	// processor is told to deliver it again. Counting it unconfirmed
+	// would count a made-up refund whenever the processor is slow.
+	t.Run("EventWaitsWhileTheProcessorCannotConfirmIt", func(t *testing.T) {
+		ctx := context.Background()
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID, chargeID := paidOrderOf(t, env, ts, keyUser42, "order-key", 5000)
+		var event processorEvent
+		if err := json.Unmarshal(refundedEvent("evt_made_up", chargeID, "re_made_up", "5000"), &event); err != nil {
+			t.Fatal(err)
+		}
+		reachable := env.app.processor.db
+		unreachable, err := sql.Open("sqlite", ":memory:")
+		if err != nil {
+			t.Fatal(err)
+		}
+		unreachable.Close()
+		env.app.processor.db = unreachable
+		if result, err := env.app.receiveProcessorEvent(ctx, event); err == nil {
+			t.Fatalf("with the processor unreachable the event got %s, want an error (delivered again)", result.Outcome)
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE message_id = 'evt_made_up') + (SELECT COUNT(*) FROM refunds) + (SELECT refunded_cents FROM orders)`); n != 0 {
+			t.Fatalf("an event the processor could not confirm changed %d", n)
+		}
+		env.app.processor.db = reachable
+		if result, err := env.app.receiveProcessorEvent(ctx, event); err != nil || result.Outcome != inboxPoison {
+			t.Fatalf("delivered again, the event got %+v, %v; want poison (the processor never made that refund)", result, err)
 		}
 		requireOrderSound(t, env, ts, keyUser42, orderID)
 	})
