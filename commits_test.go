@@ -665,18 +665,25 @@ func (m *commitMeter) report(b *testing.B, orders int, benchmarkCommits int64) {
 	logCommitBreakdown(b, counts, orders)
 }
 
+// countedApp returns an App on target whose connections count into the
+// ledger it returns, closed when t ends.
+func countedApp(t *testing.T, target string) (*App, *commitLedger) {
+	t.Helper()
+	ledger := newCommitLedger()
+	db, err := openCountedDB(context.Background(), target, ledger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return newApp(db, nil, nil, nil), ledger
+}
+
 // Ensure the ledger names the loop and the function each commit came from,
 // counts a statement outside a transaction as a commit of its own, and
 // tells a commit that changed rows from one that found nothing.
 func TestCommitLedgerCountsWhereCommitsGo(t *testing.T) {
 	ctx := context.Background()
-	ledger := newCommitLedger()
-	db, err := openCountedDB(ctx, testDatabase(t), ledger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	app := newApp(db, nil, nil, nil)
+	app, ledger := countedApp(t, testDatabase(t))
 	if _, err := app.createOrder(ctx, benchRequest("ledger-", 1), benchOrder); err != nil {
 		t.Fatal(err)
 	}
@@ -711,15 +718,9 @@ func TestPostgresCreateIsOneTransaction(t *testing.T) {
 	if !onPostgres() {
 		t.Skip("SQLite reads the key and the SKUs on a read connection first")
 	}
-	ctx := context.Background()
 	target := testDatabase(t)
-	ledger := newCommitLedger()
-	db, err := openCountedDB(ctx, target, ledger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	ts := serveInProcess(t, newApp(db, nil, nil, nil), target, false)
+	app, ledger := countedApp(t, target)
+	ts := serveInProcess(t, app, target, false)
 	client := benchClient(1)
 	commitsOf := func(key, body string) (int, string, int64) {
 		t.Helper()
@@ -755,13 +756,7 @@ func TestPostgresCreateIsOneTransaction(t *testing.T) {
 func TestSagaLoopWaitsAfterAPass(t *testing.T) {
 	ctx := context.Background()
 	target := testDatabase(t)
-	ledger := newCommitLedger()
-	db, err := openCountedDB(ctx, target, ledger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	app := newApp(db, nil, nil, nil)
+	app, ledger := countedApp(t, target)
 	if err := app.subscribeConsumers(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -782,13 +777,7 @@ func TestSagaLoopWaitsAfterAPass(t *testing.T) {
 // first time, with none rolled back to run again.
 func TestChargesSideBySideDoNotFailEachOther(t *testing.T) {
 	ctx := context.Background()
-	ledger := newCommitLedger()
-	db, err := openCountedDB(ctx, testDatabase(t), ledger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	app := newApp(db, nil, nil, nil)
+	app, ledger := countedApp(t, testDatabase(t))
 	const callers, charges = 8, 10
 	var wg sync.WaitGroup
 	errs := make([]error, callers)
