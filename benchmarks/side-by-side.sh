@@ -5,7 +5,7 @@
 #
 #   benchmarks/side-by-side.sh PEERS_DIR
 #
-# PEERS_DIR holds the peers and their run.sh. With RETRYSAFE_TEST_POSTGRES
+# PEERS_DIR holds the peers, their run.sh and sqlite-ceiling. With RETRYSAFE_TEST_POSTGRES
 # and RETRYSAFE_TEST_NATS set, the end-to-end benchmark runs on PostgreSQL
 # + NATS too. Output goes to benchmarks/side-by-side.txt.
 set -euo pipefail
@@ -17,6 +17,8 @@ out=benchmarks/side-by-side.txt
 	echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ), $(go version), $(nproc) CPUs"
 	echo "## peers"
 	"$peers/run.sh" 3000 2>&1 | grep -v '^go: downloading'
+	echo "## what the driver allows (sqlite-ceiling)"
+	(cd "$peers/sqlite-ceiling" && go run .) 2>&1 | grep -v '^go: downloading'
 	echo "## retrysafe, SQLite"
 	RETRYSAFE_TEST_POSTGRES= RETRYSAFE_TEST_NATS= go test -run '^$' \
 		-bench 'CreateOrder/(normal|full)/(atomic|bare)$|^BenchmarkReplay$|ReplayHTTP|BenchmarkHTTP/' \
