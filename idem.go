@@ -337,19 +337,16 @@ func checkSameRequest(key idempotencyKeyRow, req idempotentRequest) error {
 // PostgreSQL (an *invalidRequestError from checkSKUs, which the handler
 // runs first on SQLite).
 func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error) {
-	var response apiResponse
-	if !a.createReadsInTx {
-		// A retry of a settled request is answered without the write lock.
-		var err error
-		response, err = replaySettledKey(ctx, a.readDB, req, a.now())
-		if !errors.Is(err, errKeyNotSettled) {
-			return response, err
-		}
+	// A retry of a settled request is answered without the write lock,
+	// where there is a read connection to ask (replayBeforeWriting).
+	response, err := a.replayBeforeWriting(ctx, req)
+	if !errors.Is(err, errKeyNotSettled) {
+		return response, err
 	}
 	orderID := a.newID("ord")
 	// Sample flaw 3: it claimed the key, did the work and stored the answer
 	// in three transactions. Here they are one.
-	err := a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
+	err = a.writeTx(ctx, req.UserID, req.IdempotencyKey, func(ctx context.Context, tx *sql.Tx) error {
 		now := a.now()
 		// Sample flaw 4: lookupKey reads expires_at; an expired key is
 		// gone and the request runs as new.
@@ -370,11 +367,8 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		}
 		// New key, ours until this transaction ends (BEGIN IMMEDIATE holds
 		// the write lock; on PostgreSQL, keyTx locks the key).
-		if a.createReadsInTx {
-			// Otherwise the handler checked them on a read connection.
-			if err := checkSKUs(ctx, tx, order.Items); err != nil {
-				return err
-			}
+		if err := a.checkSKUsInTx(ctx, tx, order.Items); err != nil {
+			return err
 		}
 		if err := a.fault.at(ctx, faultAfterKeyClaim); err != nil {
 			return err
@@ -407,6 +401,29 @@ func (a *App) createOrder(ctx context.Context, req idempotentRequest, order orde
 		return apiResponse{}, err
 	}
 	return response, nil
+}
+
+// replayBeforeWriting answers a retry of a settled request from a read
+// connection, before createOrder waits for the write lock; errKeyNotSettled
+// if the key is not settled or the App reads in the transaction
+// (createReadsInTx: PostgreSQL, where a read outside the transaction is a
+// transaction of its own, and the write path's look answers a replay just
+// as well).
+func (a *App) replayBeforeWriting(ctx context.Context, req idempotentRequest) (apiResponse, error) {
+	if a.createReadsInTx {
+		return apiResponse{}, errKeyNotSettled
+	}
+	return replaySettledKey(ctx, a.readDB, req, a.now())
+}
+
+// checkSKUsInTx checks an order's SKUs in its create's transaction where
+// the App reads in the transaction (createReadsInTx); elsewhere the handler
+// checked them on a read connection, outside the write lock.
+func (a *App) checkSKUsInTx(ctx context.Context, tx *sql.Tx, items []orderItem) error {
+	if !a.createReadsInTx {
+		return nil
+	}
+	return checkSKUs(ctx, tx, items)
 }
 
 // newOrderCreated returns the order that req creates, with id orderID, and
