@@ -205,6 +205,56 @@ func mutations() []mutation {
 				{"deliver.go", "\tevents, err := a.claimUndelivered(ctx, relayID, limit)\n", "\tevents, err := a.claimUndelivered(ctx, relayID, 0)\n"},
 			},
 		},
+		{
+			name:    "StockOversold",
+			catcher: "TestSaga/OutOfStockCancelsWithoutCharging",
+			fault:   "review: stock is reserved while any is available, not only while the quantity ordered is (the schema's CHECK refuses the oversell, and the order never settles)",
+			edits: []mutationEdit{
+				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > 0`,\n\t\t\titem.Qty, item.Qty, item.SKU)"},
+			},
+		},
+		{
+			name:    "TimedOutChargeCompensated",
+			catcher: "TestSagaDecisions/AfterFailure/TimeoutIsRetried",
+			fault:   "review: a charge that timed out is compensated as if it never happened (no refund), though the processor may have made it",
+			// A timeout counted as a business failure: the step is
+			// recorded failed, and compensate undoes only done steps.
+			edits: []mutationEdit{
+				{"saga.go", "\treturn errors.Is(err, errCardDeclined) ||\n", "\treturn errors.Is(err, errCardDeclined) || errors.Is(err, errProcessorTimeout) ||\n"},
+			},
+		},
+		{
+			name:    "RefundTimeoutTreatedAsRefusal",
+			catcher: "TestHTTPRefund/LostProcessorResponseIsRetriable",
+			fault:   "review: a refund whose processor answer was lost is stored as the processor's definitive refusal (422), though the refund may have happened",
+			edits: []mutationEdit{
+				{"refund.go", "\tcase errors.Is(err, errRefundExceedsCharge), errors.Is(err, errProcessorKeyReused):\n", "\tcase errors.Is(err, errRefundExceedsCharge), errors.Is(err, errProcessorKeyReused), errors.Is(err, errProcessorTimeout):\n"},
+			},
+		},
+		{
+			name:    "CleanupDeletesUndeliveredEvents",
+			catcher: "TestDelivery/LostMessageIsRepublishedAWeekLater",
+			fault:   "review: cleanup deletes old published events that a consumer never applied, and with them the reconciler's only copy",
+			edits: []mutationEdit{
+				{"cleanup.go", "WHERE status = 'published' AND delivered_at IS NOT NULL AND published_at <= ?", "WHERE status = 'published' AND published_at <= ?"},
+			},
+		},
+		{
+			name:    "LostBatchAnsweredAsCommitted",
+			catcher: "TestGroupCommit/EveryMemberAnsweredWhenOneLosesTheTransaction",
+			fault:   "review: when a member loses a group commit's transaction, the members that ran before it are told their work committed, though it was rolled back with the rest",
+			edits: []mutationEdit{
+				{"infra_groupcommit.go", "\t\tb.members[atFault].done <- outcome\n\t\tb.members = slices.Delete(b.members, atFault, atFault+1)\n", "\t\tfor i := range atFault {\n\t\t\tb.members[i].done <- b.outcomes[i]\n\t\t}\n\t\tb.members[atFault].done <- outcome\n\t\tb.members = slices.Delete(b.members, 0, atFault+1)\n"},
+			},
+		},
+		{
+			name:    "ReleasedLeaseStillHeld",
+			catcher: "TestHTTPRefund/StalledRequestTakenOverRecordsNothing",
+			fault:   "review: a refund key that nobody holds (its lease released, or set aside by the completer) counts as held by whichever request asks, so a request paused past its lease records its phase over another's",
+			edits: []mutationEdit{
+				{"refund.go", "\tif lockedBy.String != lease {\n\t\treturn errKeyInProgress", "\tif lockedBy.Valid && lockedBy.String != lease {\n\t\treturn errKeyInProgress"},
+			},
+		},
 	}
 }
 
