@@ -391,6 +391,8 @@ func onlyUnavailable(err error) bool {
 type simBroker struct {
 	messageBroker
 	s *simulation
+	// lost are the ids of the messages it lost (loseAcknowledged).
+	lost map[string]bool
 }
 
 // publishBatch publishes, and sometimes publishes again, as a relay whose
@@ -421,6 +423,10 @@ func (b *simBroker) loseAcknowledged(ctx context.Context) error {
 		return fmt.Errorf("lose a message: %w", err)
 	}
 	for _, id := range lost {
+		if b.lost == nil {
+			b.lost = map[string]bool{}
+		}
+		b.lost[id] = true
 		b.s.report.Counts.LostMessages++
 		b.s.tracef("the broker loses %s, which it acknowledged", id)
 	}
@@ -459,4 +465,23 @@ func (b *simBroker) nak(ctx context.Context, d delivery, delay time.Duration) er
 		return nil
 	}
 	return b.messageBroker.nak(ctx, d, delay)
+}
+
+// replay delivers msg again to subscriber, as the embedded broker does;
+// but a message this broker lost is published again first, from the copy
+// the repair read (the outbox's), as JetStream's replay publishes a new
+// message (natsBroker.replay). The embedded broker, which loses nothing,
+// refuses a replay it holds no copy of; the simulated one stands for
+// JetStream, which loses messages and replays them all the same.
+func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
+	if b.lost[msg.ID] {
+		_, err := tx.ExecContext(ctx, `
+			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
+			ON CONFLICT (message_id) DO NOTHING`,
+			msg.ID, msg.Subject, string(msg.Payload), formatTime(b.s.clock.now()))
+		if err != nil {
+			return fmt.Errorf("publish %s again: %w", msg.ID, err)
+		}
+	}
+	return b.messageBroker.replay(ctx, tx, subscriber, msg, replayID)
 }
