@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -158,7 +159,8 @@ func TestCheck(t *testing.T) {
 }
 
 // crashWorkload is what the exhaustive crash test runs: every kind of order,
-// refunds, and the workers, each retried by its client or by the next
+// refunds, the workers, and the event of a refund made at the processor's
+// dashboard, each retried by its client (or the processor) or by the next
 // process after a crash.
 func crashWorkload(t *testing.T, env *testEnv) {
 	ctx := context.Background()
@@ -237,6 +239,27 @@ func crashWorkload(t *testing.T, env *testEnv) {
 		})
 	}
 	drain()
+	// A refund made at the processor's dashboard, announced by a signed
+	// event that the processor delivers until it is acknowledged: the
+	// handler asks the processor to confirm the refund first.
+	chargeID := env.str(t, `SELECT charge_id FROM orders WHERE order_id = ?`, orderIDs["second"])
+	var refundID string
+	retry("refund at the processor's dashboard", func() error {
+		var err error
+		refundID, err = env.app.processor.refund(ctx, "dashboard:second", chargeID, 500)
+		return err
+	})
+	var event processorEvent
+	if err := json.Unmarshal(chargeRefundedEvent("evt_dashboard", chargeID, refundID, 500), &event); err != nil {
+		t.Fatal(err)
+	}
+	retry("deliver the dashboard refund's event", func() error {
+		result, err := env.app.receiveProcessorEvent(ctx, event)
+		if err == nil && result.Outcome != inboxApplied && result.Outcome != inboxDuplicate {
+			return fmt.Errorf("the event got %s: %v", result.Outcome, result.Err)
+		}
+		return err
+	})
 }
 
 // Ensure that for every registered fault point, a crash there, a restart on
@@ -251,10 +274,10 @@ func TestCrashAtEveryFaultPoint(t *testing.T) {
 				if p != point || fired {
 					return nil
 				}
-				// The processor losing a response is not our process dying:
-				// the caller sees a timeout.
+				// The processor losing a response, or not answering, is
+				// not our process dying: the caller sees a timeout.
 				fired = true
-				if point == faultProcessorLoseResponse {
+				if point == faultProcessorLoseResponse || point == faultProcessorRetrieve {
 					return errors.New("connection reset")
 				}
 				return errCrash
@@ -279,8 +302,11 @@ func mustHaveDoneTheWorkloadOnce(tb testing.TB, env *testEnv) {
 	if got := env.str(tb, `SELECT string_agg(status, ',' ORDER BY amount_cents) FROM orders`); got != "paid,cancelled,cancelled,paid,paid,paid" {
 		tb.Fatalf("order statuses by amount: %s", got)
 	}
-	if got := env.count(tb, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {
-		tb.Fatalf("got %d refunds, want 2", got)
+	if got := env.count(tb, `SELECT COUNT(*) FROM processor_refunds`); got != 3 {
+		tb.Fatalf("got %d refunds, want 3", got)
+	}
+	if got := env.str(tb, `SELECT COUNT(*) || ':' || SUM(amount_cents) FROM refunds WHERE source = 'webhook'`); got != "1:500" {
+		tb.Fatalf("the dashboard refund's event counted %s (refunds:cents), want 1:500", got)
 	}
 }
 

@@ -56,6 +56,11 @@ const (
 	// faultProcessorLoseResponse: the processor did the work and the
 	// response is lost on the way back.
 	faultProcessorLoseResponse faultPoint = "processor.lose_response"
+	// faultProcessorRetrieve: we ask the processor what it did (retrieve
+	// a refund) and no answer comes: it is down, or the call times out.
+	// Nothing changed there; the caller cannot tell what it would have
+	// said.
+	faultProcessorRetrieve faultPoint = "processor.retrieve"
 )
 
 // allFaultPoints lists every fault point. The crash tests range over it, so
@@ -76,6 +81,7 @@ func allFaultPoints() []faultPoint {
 		faultRefundStarted,
 		faultRefundAfterProcessor,
 		faultProcessorLoseResponse,
+		faultProcessorRetrieve,
 	}
 }
 

@@ -191,8 +191,12 @@ var errNoSuchRefund = errors.New("the processor has no such refund")
 
 // lookupRefund returns the charge and the amount of the processor's refund
 // refundID, as a processor's "retrieve a refund" call does. Returns
-// errNoSuchRefund if it made none of that id.
+// errNoSuchRefund if it made none of that id, and errProcessorTimeout when
+// no answer comes (faultProcessorRetrieve).
 func (p *Processor) lookupRefund(ctx context.Context, refundID string) (string, int64, error) {
+	if err := p.fault.at(ctx, faultProcessorRetrieve); err != nil {
+		return "", 0, fmt.Errorf("%w (%v)", errProcessorTimeout, err)
+	}
 	var chargeID string
 	var amount int64
 	err := p.db.QueryRowContext(ctx, `SELECT charge_id, amount_cents FROM processor_refunds WHERE refund_id = ?`,

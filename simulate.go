@@ -14,7 +14,10 @@
 // processor loses a response, the database becomes unreachable for a few
 // steps (sometimes mid-transaction, sometimes just after a commit whose
 // answer is lost), or the broker hands a batch over out of order, loses an
-// ack or gets a publish twice (simulate_faults.go). On PostgreSQL the
+// ack or gets a publish twice (simulate_faults.go). A dependency also
+// fails one call and is fine at the next: the processor does not answer a
+// retrieve, the database is busy at one statement of a consumer's effect
+// (simulate_transient.go). On PostgreSQL the
 // server also terminates a transaction's backend, fails it with a
 // serialization failure, or loses a commit's answer (simulate_postgres.go).
 //
@@ -105,7 +108,10 @@ type simCounts struct {
 	// FrozenSagaWorkers counts saga passes frozen past their lease while
 	// another worker took their sagas over (simulate_freeze.go).
 	FrozenSagaWorkers int
-	Repairs           simRepairCounts
+	// Processor retrieves unanswered and statements failed busy
+	// (simulate_transient.go).
+	simTransientCounts
+	Repairs simRepairCounts
 }
 
 // add adds other's counts to c.
@@ -142,6 +148,7 @@ func (c *simCounts) add(other simCounts) {
 	c.AbandonedRefunds += other.AbandonedRefunds
 	c.CatchUps += other.CatchUps
 	c.FrozenSagaWorkers += other.FrozenSagaWorkers
+	c.simTransientCounts.add(other.simTransientCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -150,9 +157,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -178,7 +185,8 @@ type simAction struct {
 	// returns errCrash.
 	crashed bool
 	// sawOutage is set when a database call of the action failed for an
-	// outage: it may then fail, or answer 503, for that reason.
+	// outage, or for the database busy at one statement: it may then
+	// fail, or answer 503, for that reason.
 	sawOutage bool
 	// sentAt is when a client request was sent; keyMayBeBusy whether
 	// another send of it may hold its key's lease then.
@@ -297,9 +305,10 @@ type simulation struct {
 	abandoned *simAbandoned
 	// frozen is the saga pass frozen past its lease, until it wakes up
 	// (simulate_freeze.go).
-	frozen   *simFrozen
-	operator simOperator
-	report   simReport
+	frozen    *simFrozen
+	operator  simOperator
+	transient simTransient
+	report    simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -405,6 +414,13 @@ func (s *simulation) openApp(ctx context.Context, path string, ids func(string) 
 		return nil, err
 	}
 	brokerReaders.Close()
+	if s.transient.busyError, err = sqliteBusyError(ctx, path); err != nil {
+		db.Close()
+		readers.Close()
+		brokerDB.Close()
+		return nil, err
+	}
+	s.network.busy = s.busyStatement
 	direct, err := openDB(ctx, path)
 	if err != nil {
 		db.Close()
@@ -706,11 +722,17 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		return err
 	}
 	if err := s.brokenDependency(point); err != nil {
+		if point == faultConsumerApply {
+			s.countOwnFailure()
+		}
 		return err
 	}
 	if point == faultProcessorLoseResponse && s.chance(0.1) {
 		s.report.Counts.LostResponses++
 		return errors.New("connection reset")
+	}
+	if err := s.processorSilent(point); err != nil {
+		return err
 	}
 	if point.insideTransaction() {
 		if s.chance(0.03) {
@@ -981,7 +1003,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	consumers := s.app.consumers()
 	switch job := s.rng.IntN(6); job {
 	case 0, 1:
-		c := s.failingSometimes(consumers[job])
+		c := s.busySometimes(s.failingSometimes(consumers[job]))
 		action.what = "consumeOnce " + c.name
 		return s.start(ctx, action, func(ctx context.Context) {
 			results, err := s.app.consumeOnce(ctx, c, 4)
@@ -1031,6 +1053,7 @@ func (s *simulation) failingSometimes(c consumer) consumer {
 			return apply(ctx, tx, msg)
 		}
 		s.consumerFailures[id]++
+		s.countOwnFailure()
 		s.report.Counts.ConsumerErrors++
 		if s.chance(0.5) {
 			s.tracef("%s fails on %s before its writes", c.name, msg.ID)
@@ -1559,6 +1582,9 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 		}
 		return s.fail("invariant broken: %s: %s", v.Invariant, v.Detail)
 	}
+	if err := s.checkFailuresCounted(ctx); err != nil {
+		return err
+	}
 	return s.checkSetAside(ctx)
 }
 
@@ -1846,9 +1872,11 @@ func newSimulateCommand() *cobra.Command {
 virtual clients (new requests, retries, concurrent duplicates, keys reused
 after expiry, refunds, hostile bodies, signed webhooks), workers under
 leases, process crashes, pauses past a lease, clock jumps, lost processor
-responses, database outages (one may begin inside a transaction, or just
-after a commit, whose answer is then lost; on PostgreSQL also backends
-terminated mid-transaction and serialization failures), a full disk, group
+responses, a processor that does not answer a retrieve, database outages
+(one may begin inside a transaction, or just after a commit, whose answer
+is then lost; on PostgreSQL also backends terminated mid-transaction and
+serialization failures), a database busy at one statement of a
+consumer's effect, a full disk, group
 commits of several members, consumers that fail, orders of several items,
 keys reused on another route, our own refunds announced in flight, refunds
 abandoned mid-call and asked for again a day later, saga workers frozen

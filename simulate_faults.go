@@ -62,6 +62,11 @@ type simDatabase struct {
 	// disk_full (simPostgresConn.diskFull).
 	diskFull bool
 	maxPages int64
+	// busy, if set, is asked before each statement whether the database
+	// fails it for a moment (simulate_transient.go): its error is then
+	// returned instead of running the statement, and the connection and
+	// its transaction stay as they were.
+	busy func() error
 	// processDied: the process running the open transaction died in it;
 	// its commit must not land (the connection closed with it).
 	processDied bool
@@ -197,6 +202,18 @@ func (c *simConn) check() error {
 	return nil
 }
 
+// checkStatement is check for a statement, which the database may also
+// fail for a moment without breaking the connection.
+func (c *simConn) checkStatement() error {
+	if err := c.check(); err != nil {
+		return err
+	}
+	if c.network.busy != nil {
+		return c.network.busy()
+	}
+	return nil
+}
+
 func (c *simConn) Prepare(query string) (driver.Stmt, error) {
 	return c.PrepareContext(context.Background(), query)
 }
@@ -230,14 +247,14 @@ func (c *simConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx
 }
 
 func (c *simConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
-	if err := c.check(); err != nil {
+	if err := c.checkStatement(); err != nil {
 		return nil, err
 	}
 	return c.conn.(driver.ExecerContext).ExecContext(ctx, query, args)
 }
 
 func (c *simConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
-	if err := c.check(); err != nil {
+	if err := c.checkStatement(); err != nil {
 		return nil, err
 	}
 	return c.conn.(driver.QueryerContext).QueryContext(ctx, query, args)
@@ -339,22 +356,23 @@ func (s *simStmt) Query(args []driver.Value) (driver.Rows, error) {
 }
 
 func (s *simStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
-	if err := s.conn.check(); err != nil {
+	if err := s.conn.checkStatement(); err != nil {
 		return nil, err
 	}
 	return s.stmt.(driver.StmtExecContext).ExecContext(ctx, args)
 }
 
 func (s *simStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
-	if err := s.conn.check(); err != nil {
+	if err := s.conn.checkStatement(); err != nil {
 		return nil, err
 	}
 	return s.stmt.(driver.StmtQueryContext).QueryContext(ctx, args)
 }
 
 // onlyUnavailable reports whether err, and every error joined in it, says
-// the database was unavailable: what a worker pass may fail with during an
-// outage, and nothing else.
+// the database was unavailable, or busy for a moment: what a worker pass
+// may fail with during an outage (or after a busy statement,
+// simulate_transient.go), and nothing else.
 func onlyUnavailable(err error) bool {
 	if joined, ok := err.(interface{ Unwrap() []error }); ok {
 		for _, e := range joined.Unwrap() {
@@ -364,7 +382,7 @@ func onlyUnavailable(err error) bool {
 		}
 		return len(joined.Unwrap()) > 0
 	}
-	return isDatabaseUnavailable(err)
+	return isDatabaseUnavailable(err) || isBusy(err)
 }
 
 // simBroker is the broker as the network delivers it: at least once, in
@@ -373,6 +391,8 @@ func onlyUnavailable(err error) bool {
 type simBroker struct {
 	messageBroker
 	s *simulation
+	// lost are the ids of the messages it lost (loseAcknowledged).
+	lost map[string]bool
 }
 
 // publishBatch publishes, and sometimes publishes again, as a relay whose
@@ -403,6 +423,10 @@ func (b *simBroker) loseAcknowledged(ctx context.Context) error {
 		return fmt.Errorf("lose a message: %w", err)
 	}
 	for _, id := range lost {
+		if b.lost == nil {
+			b.lost = map[string]bool{}
+		}
+		b.lost[id] = true
 		b.s.report.Counts.LostMessages++
 		b.s.tracef("the broker loses %s, which it acknowledged", id)
 	}
@@ -441,4 +465,23 @@ func (b *simBroker) nak(ctx context.Context, d delivery, delay time.Duration) er
 		return nil
 	}
 	return b.messageBroker.nak(ctx, d, delay)
+}
+
+// replay delivers msg again to subscriber, as the embedded broker does;
+// but a message this broker lost is published again first, from the copy
+// the repair read (the outbox's), as JetStream's replay publishes a new
+// message (natsBroker.replay). The embedded broker, which loses nothing,
+// refuses a replay it holds no copy of; the simulated one stands for
+// JetStream, which loses messages and replays them all the same.
+func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
+	if b.lost[msg.ID] {
+		_, err := tx.ExecContext(ctx, `
+			INSERT INTO broker_messages (message_id, subject, payload, published_at) VALUES (?, ?, ?, ?)
+			ON CONFLICT (message_id) DO NOTHING`,
+			msg.ID, msg.Subject, string(msg.Payload), formatTime(b.s.clock.now()))
+		if err != nil {
+			return fmt.Errorf("publish %s again: %w", msg.ID, err)
+		}
+	}
+	return b.messageBroker.replay(ctx, tx, subscriber, msg, replayID)
 }

@@ -82,6 +82,10 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.FrozenSagaWorkers == 0 {
 		t.Errorf("in %d seeds no saga worker was frozen past its lease while another took its sagas over", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && (total.ProcessorSilent == 0 || total.BusyStatements == 0) {
+		t.Errorf("in %d seeds the processor left %d retrieves unanswered and the database failed %d statements of a consumer's effect busy, want some of each",
+			seeds, total.ProcessorSilent, total.BusyStatements)
+	}
 }
 
 // Ensure the seeds that once failed on a fault of the simulator itself
