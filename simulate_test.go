@@ -82,6 +82,12 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.FrozenSagaWorkers == 0 {
 		t.Errorf("in %d seeds no saga worker was frozen past its lease while another took its sagas over", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.LostAfterOneApplied == 0 {
+		t.Errorf("in %d seeds the broker never lost a message for one consumer of OrderCreated after the other applied it", seeds)
+	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.PoisonReplayedBeforeAck == 0 {
+		t.Errorf("in %d seeds no poison message was replayed before its consumer's ack", seeds)
+	}
 }
 
 // Ensure the seeds that once failed on a fault of the simulator itself
