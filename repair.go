@@ -276,6 +276,13 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			if err != nil {
 				return fmt.Errorf("reset failures of %s: %w", terminalSafe(poison.MessageID), err)
 			}
+			// The poison record counted as delivered (markDelivered): the
+			// event is in flight again until the consumer applies the
+			// replay, so a replay the broker loses is published again.
+			_, err = tx.ExecContext(ctx, `UPDATE outbox_events SET delivered_at = NULL WHERE event_id = ?`, poison.MessageID)
+			if err != nil {
+				return fmt.Errorf("put %s back in flight: %w", terminalSafe(poison.MessageID), err)
+			}
 			id := fmt.Sprintf("%s-%d", repairID, i+1)
 			// Last, after every write: on NATS this publishes, and a
 			// failed publish rolls the writes back.

@@ -1203,7 +1203,13 @@ func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *si
 func (s *simulation) sending(action *simAction) {
 	req := action.request
 	action.sentAt = s.clock.now()
-	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req))
+	// An earlier send may hold the key's lease: one still in flight, one
+	// answered only "try again", or one whose connection dropped less than
+	// a lease ago, after whatever answer came before it (it claimed the
+	// key before it ended).
+	dropped := req.sends > len(req.answers)+req.inFlight
+	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req)) ||
+		(dropped && action.sentAt.Sub(req.lastEnd) < s.app.leases.refundLock)
 	s.model.sent(req, action.sentAt)
 	action.sendsBefore = req.sends
 	req.inFlight++
