@@ -161,9 +161,13 @@ type App struct {
 	// OTEL_EXPORTER_OTLP_ENDPOINT set.
 	tracerProvider trace.TracerProvider
 	// deliveryTargets are the consumers the reconciler waits for, per
-	// subject: deliveryTargets(), read off consumers(). A test adds one to
-	// stand for a second consumer of a subject.
+	// subject: deliveryTargets(), read off consumers(), and those of the
+	// consumers addConsumer wired in. A test adds one to stand for a
+	// second consumer of a subject.
 	deliveryTargets []deliveryTarget
+	// addedConsumers are the consumers wired in beside the system's own
+	// (addConsumer), after them in consumers().
+	addedConsumers []consumer
 }
 
 // idleTimes are the loops' sleeps when idle. Production uses relayIdle and

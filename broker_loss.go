@@ -32,6 +32,21 @@ import (
 // their ids. pick(k) chooses one of k candidates, oldest first: the
 // simulator passes its seeded random source.
 func loseEmbeddedMessages(ctx context.Context, db *sql.DB, n int, pick func(int) int) ([]string, error) {
+	return loseEmbeddedMessagesWhere(ctx, db, n, pick, "")
+}
+
+// loseEmbeddedMessagesAckedByOne is loseEmbeddedMessages among the messages
+// that one subscriber has acked already and another has not: the loss
+// reaches only the subscribers still waiting, while the others have
+// applied the message (the simulator's second consumer of a subject).
+func loseEmbeddedMessagesAckedByOne(ctx context.Context, db *sql.DB, n int, pick func(int) int) ([]string, error) {
+	return loseEmbeddedMessagesWhere(ctx, db, n, pick,
+		`AND m.seq IN (SELECT d.message_seq FROM broker_deliveries d WHERE d.status = 'acked')`)
+}
+
+// loseEmbeddedMessagesWhere is loseEmbeddedMessages among the messages
+// that also meet condition, SQL on broker_messages m ("" for all).
+func loseEmbeddedMessagesWhere(ctx context.Context, db *sql.DB, n int, pick func(int) int, condition string) ([]string, error) {
 	var lost []string
 	err := withTx(ctx, db, func(tx *sql.Tx) error {
 		lost = nil
@@ -40,6 +55,7 @@ func loseEmbeddedMessages(ctx context.Context, db *sql.DB, n int, pick func(int)
 		rows, err := tx.QueryContext(ctx, `
 			SELECT m.seq, m.message_id FROM broker_messages m
 			WHERE m.seq IN (SELECT d.message_seq FROM broker_deliveries d WHERE d.status = 'pending')
+			  `+condition+`
 			ORDER BY m.seq`)
 		if err != nil {
 			return fmt.Errorf("find unconsumed messages: %w", err)

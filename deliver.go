@@ -37,7 +37,8 @@ type deliveryTarget struct {
 // deliveryTargets returns, for every subject, the consumers that must apply
 // its events: read off consumers(), whose subjects are the subscriptions,
 // so a consumer added there is waited for here too. (consumers() of an
-// empty App serves: its apply functions are not called.)
+// empty App serves: its apply functions are not called. An App's own
+// targets add those of the consumers wired in by addConsumer.)
 func deliveryTargets() []deliveryTarget {
 	var targets []deliveryTarget
 	for _, c := range (&App{}).consumers() {

@@ -232,6 +232,49 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure an event marked delivered because its consumer recorded it
+	// poison is watched again once an operator replays it: a replay the
+	// broker loses is published again (simulator seed 176 of the second
+	// consumer: the ledger never booked the order).
+	t.Run("ReplayTheBrokerLostIsRepublished", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		fetched, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
+		if err != nil || len(fetched) != 1 {
+			t.Fatalf("fetched %v, %v", fetched, err)
+		}
+		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
+			paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_id = ? AND delivered_at IS NOT NULL`, fetched[0].ID); got != 1 {
+			t.Fatalf("the poison record marked %d events delivered, want 1", got)
+		}
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		if lost, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil || len(lost) != 1 {
+			t.Fatalf("lost %v, %v, want the replay", lost, err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want the replayed OrderCreated the broker lost", n, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+			t.Fatalf("order is %s, want paid", got)
+		}
+	})
+
 	// Ensure two relays never republish one event in one sweep, and that a
 	// relay paused past its lease cannot record a republish of an event
 	// that a relay under the same name (a restarted process) claimed since

@@ -75,12 +75,30 @@ type consumer struct {
 // consumers lists the system's consumers: the payment service starts the
 // fulfilment saga when an order is created; the order service follows the
 // payment result. (The article's sample wrote PaymentCaptured and nobody ever
-// relayed or read it.)
+// relayed or read it.) Then any that addConsumer wired in.
 func (a *App) consumers() []consumer {
-	return []consumer{
+	return append([]consumer{
 		{name: paymentServiceConsumer, subjects: []string{eventOrderCreated}, apply: a.startFulfilment},
 		{name: orderServiceConsumer, subjects: []string{eventPaymentCaptured, eventOrderCancelled}, apply: a.applyPaymentResult},
+	}, a.addedConsumers...)
+}
+
+// addConsumer wires one more consumer into a, as a second consumer of a
+// subject would be (the simulator's ledger): it subscribes it, has the
+// reconciler wait for it on each of its subjects, and gives it a wake-up.
+// From then on it is one of consumers(): the workers run it and an
+// operator replays its poison messages. Like subscribeConsumers, it must
+// run before anything is published.
+func (a *App) addConsumer(ctx context.Context, c consumer) error {
+	if err := a.broker.subscribe(ctx, c.name, c.subjects...); err != nil {
+		return err
 	}
+	for _, subject := range c.subjects {
+		a.deliveryTargets = append(a.deliveryTargets, deliveryTarget{subject: subject, consumer: c.name})
+	}
+	a.wake.consumers[c.name] = newWakeup()
+	a.addedConsumers = append(a.addedConsumers, c)
+	return nil
 }
 
 // subscribeConsumers subscribes every consumer to its subjects. It must run

@@ -275,6 +275,22 @@ func mutations() []mutation {
 				{"refund.go", "\tif lockedBy.String != lease {\n\t\treturn errKeyInProgress", "\tif lockedBy.Valid && lockedBy.String != lease {\n\t\treturn errKeyInProgress"},
 			},
 		},
+		{
+			name:    "DeliveredWhenAnyConsumerApplied",
+			catcher: "TestDelivery/EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt",
+			fault:   "review: an event is marked delivered once any consumer applied it, not each consumer of its subject; a message the broker lost for the other is never published again",
+			edits: []mutationEdit{
+				{"deliver.go", "\t\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,", "\t\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id))`,"},
+			},
+		},
+		{
+			name:    "ReplayKeepsDeliveryCount",
+			catcher: "TestEmbeddedBroker/StaleHolderCannotAckAReplayAway",
+			fault:   "review: an operator's replay keeps the delivery's fencing token; the consumer that recorded the message poison and had not acked yet acks the replay away",
+			edits: []mutationEdit{
+				{"repair.go", "\t\t    delivery_count = broker_deliveries.delivery_count + 1`,", "\t\t    delivery_count = broker_deliveries.delivery_count`,"},
+			},
+		},
 	}
 }
 

@@ -276,6 +276,21 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			if err != nil {
 				return fmt.Errorf("reset failures of %s: %w", terminalSafe(poison.MessageID), err)
 			}
+			// The poison record counted as delivered (markDelivered): the
+			// event is in flight again until the consumer applies the
+			// replay, so a replay the broker loses is published again.
+			// Not once cleanup deleted another consumer's inbox row of it:
+			// a copy would then be new to that consumer.
+			_, err = tx.ExecContext(ctx, `
+				UPDATE outbox_events SET delivered_at = NULL
+				WHERE event_id = ? AND NOT EXISTS (
+					SELECT 1 FROM `+subscriptionsTable(a.deliveryTargets)+` s
+					WHERE s.subject = outbox_events.event_type AND s.consumer <> ?
+					  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = outbox_events.event_id))`,
+				poison.MessageID, poison.Consumer)
+			if err != nil {
+				return fmt.Errorf("put %s back in flight: %w", terminalSafe(poison.MessageID), err)
+			}
 			id := fmt.Sprintf("%s-%d", repairID, i+1)
 			// Last, after every write: on NATS this publishes, and a
 			// failed publish rolls the writes back.

@@ -20,6 +20,11 @@
 // (simulate_transient.go). On PostgreSQL the
 // server also terminates a transaction's backend, fails it with a
 // serialization failure, or loses a commit's answer (simulate_postgres.go).
+// OrderCreated has a second consumer, a ledger, so that the broker's loss
+// can reach one consumer of a subject after the other applied the message;
+// and a consumer that records a message poison is held before its ack
+// while the reconciler sweeps and the operator replays it
+// (simulate_consumers.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -111,6 +116,9 @@ type simCounts struct {
 	// Processor retrieves unanswered and statements failed busy
 	// (simulate_transient.go).
 	simTransientCounts
+	// Messages lost for one of two consumers of a subject, and poison
+	// messages replayed before their ack (simulate_consumers.go).
+	simConsumersCounts
 	Repairs simRepairCounts
 }
 
@@ -149,6 +157,7 @@ func (c *simCounts) add(other simCounts) {
 	c.CatchUps += other.CatchUps
 	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.simTransientCounts.add(other.simTransientCounts)
+	c.simConsumersCounts.add(other.simConsumersCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -157,9 +166,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -305,10 +314,13 @@ type simulation struct {
 	abandoned *simAbandoned
 	// frozen is the saga pass frozen past its lease, until it wakes up
 	// (simulate_freeze.go).
-	frozen    *simFrozen
-	operator  simOperator
-	transient simTransient
-	report    simReport
+	frozen *simFrozen
+	// replayRace is the poison message replayed before its consumer's
+	// ack, until that consumer wakes up (simulate_consumers.go).
+	replayRace *simReplayRace
+	operator   simOperator
+	transient  simTransient
+	report     simReport
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -353,6 +365,9 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 		defer db.Close()
 	}
 	s.app = app
+	if err := s.wireLedger(ctx); err != nil {
+		return simReport{}, err
+	}
 	s.auditor, err = prepareAuditor(ctx, s.direct)
 	if err != nil {
 		return simReport{}, err
@@ -574,6 +589,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	if moved, err := s.frozenWorkerStep(ctx); moved {
 		return err
 	}
+	if moved, err := s.stepReplayRace(ctx); moved {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -784,6 +802,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		hold = s.announceOwnRefund(ctx, action.request)
 	}
 	hold = hold || s.freezeSagaWorker(action, point)
+	hold = hold || s.holdBeforeAck(ctx, action, point)
 	// Mostly the process just goes on; sometimes it is held here while
 	// others run (and the clock may pass its leases).
 	if !hold && !s.chance(0.25) {
@@ -1000,10 +1019,13 @@ func (s *simulation) workerPass(ctx context.Context) error {
 			action.err = err
 		})
 	}
+	// The App's consumers: jobs 0 and 1 run the payment and the order
+	// service, 6 the ledger the simulation wires in after them
+	// (simulate_consumers.go).
 	consumers := s.app.consumers()
-	switch job := s.rng.IntN(6); job {
-	case 0, 1:
-		c := s.busySometimes(s.failingSometimes(consumers[job]))
+	switch job := s.rng.IntN(7); job {
+	case 0, 1, 6:
+		c := s.busySometimes(s.failingSometimes(s.releasedWithABug(consumers[min(job, len(consumers)-1)])))
 		action.what = "consumeOnce " + c.name
 		return s.start(ctx, action, func(ctx context.Context) {
 			results, err := s.app.consumeOnce(ctx, c, 4)
@@ -1204,7 +1226,13 @@ func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *si
 func (s *simulation) sending(action *simAction) {
 	req := action.request
 	action.sentAt = s.clock.now()
-	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req))
+	// An earlier send may hold the key's lease: one still in flight, one
+	// answered only "try again", or one whose connection dropped less than
+	// a lease ago, after whatever answer came before it (it claimed the
+	// key before it ended).
+	dropped := req.sends > len(req.answers)+req.inFlight
+	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req)) ||
+		(dropped && action.sentAt.Sub(req.lastEnd) < s.app.leases.refundLock)
 	s.model.sent(req, action.sentAt)
 	action.sendsBefore = req.sends
 	req.inFlight++
@@ -1673,6 +1701,9 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		}
 		return s.fail("once quiet, invariant broken: %s: %s", v.Invariant, v.Detail)
 	}
+	if err := s.checkLedger(ctx); err != nil {
+		return err
+	}
 	return s.checkClientsAgainstDatabase(ctx)
 }
 
@@ -1880,8 +1911,10 @@ consumer's effect, a full disk, group
 commits of several members, consumers that fail, orders of several items,
 keys reused on another route, our own refunds announced in flight, refunds
 abandoned mid-call and asked for again a day later, saga workers frozen
-past their lease, and a broker that delivers a batch out of order, loses
-acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
+past their lease, a second consumer of OrderCreated (a ledger) that a
+lost message may miss while the payment service applied it, a poison
+message replayed before its consumer's ack, and a broker that delivers a
+batch out of order, loses acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
 of what the request must get; after every step the in-flight invariants
 of check must hold; at the end the system is made quiet and the full
 check, each order's fate and every answer the clients got are checked.

@@ -412,13 +412,14 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 	return nil
 }
 
-// loseAcknowledged makes the broker lose a message it acknowledged and no
-// subscriber has acked yet, as JetStream does when its host crashes before
-// it flushed (broker_loss.go): the relay marks the event published, and
-// only the reconciler can tell that nobody applied it. Through the
+// loseAcknowledged makes the broker lose a message it acknowledged and a
+// subscriber has not acked yet, as JetStream does when its host crashes
+// before it flushed (broker_loss.go): the relay marks the event published,
+// and only the reconciler can tell that a consumer never applied it (the
+// other consumer of its subject may have: loseAMessage). Through the
 // simulator's own handle: the loss is the broker's, no outage stops it.
 func (b *simBroker) loseAcknowledged(ctx context.Context) error {
-	lost, err := loseEmbeddedMessages(ctx, b.s.direct, 1, b.s.rng.IntN)
+	lost, err := b.s.loseAMessage(ctx)
 	if err != nil {
 		return fmt.Errorf("lose a message: %w", err)
 	}
@@ -453,7 +454,10 @@ func (b *simBroker) ack(ctx context.Context, deliveries ...delivery) error {
 		b.s.tracef("the ack of %d deliveries to %s is lost", len(deliveries), deliveries[0].Subscriber)
 		return nil
 	}
-	return b.messageBroker.ack(ctx, deliveries...)
+	if err := b.messageBroker.ack(ctx, deliveries...); err != nil {
+		return err
+	}
+	return b.s.loseAfterAnAck(ctx)
 }
 
 // nak asks for d again, unless the nak is lost: then d comes again after
