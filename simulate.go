@@ -491,13 +491,18 @@ func (s *simulation) beginOutage(network *simDatabase) {
 	s.tracef("%s is unreachable until step %d", network.name, network.ends)
 }
 
-// endOutage makes network's system reachable again.
+// endOutage makes network's system reachable again. It also disarms a
+// lost or failed commit armed in a transaction that rolled back before its
+// commit: at quiesce, none may fire.
 func (s *simulation) endOutage(network *simDatabase) {
-	if network == nil || !network.down {
+	if network == nil {
+		return
+	}
+	network.loseCommit, network.failCommit = false, false
+	if !network.down {
 		return
 	}
 	network.down = false
-	network.loseCommit, network.failCommit = false, false
 	s.tracef("%s is reachable again", network.name)
 }
 
