@@ -119,6 +119,9 @@ type simCounts struct {
 	// Messages lost for one of two consumers of a subject, and poison
 	// messages replayed before their ack (simulate_consumers.go).
 	simConsumersCounts
+	// Outages of the processor's API with a forged refund event in them
+	// (simulate_forged.go).
+	simForgedCounts
 	Repairs simRepairCounts
 }
 
@@ -158,6 +161,7 @@ func (c *simCounts) add(other simCounts) {
 	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.simTransientCounts.add(other.simTransientCounts)
 	c.simConsumersCounts.add(other.simConsumersCounts)
+	c.simForgedCounts.add(other.simForgedCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -166,9 +170,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -321,6 +325,10 @@ type simulation struct {
 	operator   simOperator
 	transient  simTransient
 	report     simReport
+
+	// processorDownUntil is the step the processor's API is down until
+	// (simulate_forged.go).
+	processorDownUntil int
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -754,6 +762,9 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		s.report.Counts.LostResponses++
 		return errors.New("connection reset")
 	}
+	if err := s.processorUnreachable(point); err != nil {
+		return err
+	}
 	if err := s.processorSilent(point); err != nil {
 		return err
 	}
@@ -1113,6 +1124,13 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		// A refund of a paid order, abandoned mid-call, asked for again
 		// a day later (simulate_abandon.go).
 		if started, err := s.abandonRefund(ctx, client); started || err != nil {
+			return err
+		}
+	}
+	if s.chance(forgedRefundChance) {
+		// A forged refund event of a paid order, while the processor's
+		// API is down (simulate_forged.go).
+		if sent, err := s.sendForgedDuringOutage(ctx, client); sent || err != nil {
 			return err
 		}
 	}
@@ -1908,7 +1926,8 @@ func newSimulateCommand() *cobra.Command {
 virtual clients (new requests, retries, concurrent duplicates, keys reused
 after expiry, refunds, hostile bodies, signed webhooks), workers under
 leases, process crashes, pauses past a lease, clock jumps, lost processor
-responses, a processor that does not answer a retrieve, database outages
+responses, a processor that does not answer a retrieve (or whose API is
+down for a few steps while a forged refund event arrives), database outages
 (one may begin inside a transaction, or just after a commit, whose answer
 is then lost; on PostgreSQL also backends terminated mid-transaction and
 serialization failures), a database busy at one statement of a
