@@ -242,6 +242,10 @@ type simRequest struct {
 	// lastEnd when the last send ended, answered or not.
 	sends                           int
 	firstSentAt, lifeStart, lastEnd time.Time
+	// lastDropped is set when the last send's connection dropped: its
+	// outcome is unknown whatever an earlier send was answered (a key
+	// that expired since runs the request as new).
+	lastDropped bool
 	// A webhook's event: its id, what it announces (a "dashboard" refund,
 	// a "made-up" one, or our "own" API refund), and the refund's amount.
 	eventID, eventKind string
@@ -1454,6 +1458,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	req := action.request
 	req.inFlight--
 	req.lastEnd = s.clock.now()
+	req.lastDropped = action.crashed
 	if action.crashed {
 		s.tracef("a%d %s %s: connection dropped", action.id, action.process.name, action.what)
 		return nil
@@ -1683,7 +1688,11 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		busy := false
 		for _, client := range s.clients {
 			for _, req := range client.requests {
-				if !undecided(req) || (req.kind == "webhook" && s.processorGaveUp(req)) {
+				// A send whose connection dropped is asked again even if an
+				// earlier one was answered: its client does not know what
+				// it did.
+				inDoubt := undecided(req) || (req.lastDropped && req.kind != "hostile")
+				if !inDoubt || (req.kind == "webhook" && s.processorGaveUp(req)) {
 					continue
 				}
 				busy = true
