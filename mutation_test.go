@@ -287,6 +287,14 @@ func mutations() []mutation {
 				{"repair.go", "\t\t    delivery_count = broker_deliveries.delivery_count + 1`,", "\t\t    delivery_count = broker_deliveries.delivery_count`,"},
 			},
 		},
+		{
+			name:    "FailedMemberNotRolledBack",
+			catcher: "TestGroupCommit/FailureRollsBackOnlyItsSavepoint",
+			fault:   "review: a group-commit member whose work returns an error after it wrote is not rolled back to its savepoint; its order commits with the batch without its key, its client is told it failed, and the retry creates a second order",
+			edits: []mutationEdit{
+				{"infra_groupcommit.go", "\toutcome := runRecovered(fn, tx)\n\tif outcome.failed() {", "\toutcome := runRecovered(fn, tx)\n\tif outcome.panicked != nil {"},
+			},
+		},
 	}
 }
 

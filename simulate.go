@@ -447,7 +447,7 @@ func (s *simulation) openApp(ctx context.Context, path string, ids func(string) 
 		brokerDB.Close()
 		return nil, err
 	}
-	s.network.busy = s.busyStatement
+	s.network.busy, s.network.ended = s.busyStatement, s.disarmBusy
 	direct, err := openDB(ctx, path)
 	if err != nil {
 		db.Close()
@@ -791,6 +791,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			s.report.Counts.Crashes++
 			return errCrash
 		}
+		s.busyCreate(point)
 		if s.chance(0.05) {
 			// The clock moves while the transaction is open (a stall, a
 			// paused process that holds the write lock): code that reads
@@ -1652,6 +1653,7 @@ func (s *simulation) quiesce(ctx context.Context) error {
 	s.tracef("quiesce: no more faults")
 	s.endOutage(s.network)
 	s.endOutage(s.brokerNetwork)
+	s.disarmBusy()
 	if err := s.freeDisk(ctx); err != nil {
 		return err
 	}

@@ -67,6 +67,9 @@ type simDatabase struct {
 	// returned instead of running the statement, and the connection and
 	// its transaction stay as they were.
 	busy func() error
+	// ended, if set, is called as each transaction ends, committed or
+	// not: a busy statement armed in it is disarmed.
+	ended func()
 	// processDied: the process running the open transaction died in it;
 	// its commit must not land (the connection closed with it).
 	processDied bool
@@ -86,6 +89,13 @@ func (d *simDatabase) refuse() error {
 		d.refused()
 	}
 	return errSimOutage
+}
+
+// end is called as a transaction ends.
+func (d *simDatabase) end() {
+	if d.ended != nil {
+		d.ended()
+	}
 }
 
 // openSimDatabase opens the SQLite file at path (created and migrated as
@@ -298,6 +308,7 @@ type simTx struct {
 // it commits and then reports the connection dropped; armed with
 // failCommit, the connection drops first.
 func (t *simTx) Commit() error {
+	t.conn.network.end()
 	// The transaction ends here, whatever happens: if its process died in
 	// it, that is known now and not at some later commit.
 	died := t.conn.network.processDied
@@ -334,6 +345,7 @@ func (t *simTx) Commit() error {
 // Rollback rolls back on the connection, whatever the network: a dropped
 // connection takes its transaction with it.
 func (t *simTx) Rollback() error {
+	t.conn.network.end()
 	t.conn.network.processDied = false
 	return t.tx.Rollback()
 }

@@ -86,6 +86,9 @@ func TestSimulation(t *testing.T) {
 		t.Errorf("in %d seeds the processor left %d retrieves unanswered and the database failed %d statements of a consumer's effect busy, want some of each",
 			seeds, total.ProcessorSilent, total.BusyStatements)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.BusyCreates == 0 {
+		t.Errorf("in %d seeds the database never failed a create's statement busy inside a group commit", seeds)
+	}
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.LostAfterOneApplied == 0 {
 		t.Errorf("in %d seeds the broker never lost a message for one consumer of OrderCreated after the other applied it", seeds)
 	}

@@ -22,7 +22,12 @@
 //     with SQLITE_BUSY ("database is locked"), the driver's own error. The
 //     message's savepoint rolls back, and the inbox must count nothing
 //     against the message: only the consumer's own code uses up its
-//     deliveries (checkFailuresCounted).
+//     deliveries (checkFailuresCounted). The same busy statement meets a
+//     create inside a group-commit batch that is otherwise healthy, at
+//     one of the writes after its key is claimed (busyCreate): only that
+//     member's savepoint rolls back, the batch commits the others, and
+//     the member's client gets 503 with nothing of it stored, so that its
+//     retry creates the order once.
 
 package main
 
@@ -37,19 +42,22 @@ import (
 type simTransientCounts struct {
 	// ProcessorSilent counts processor retrieves that got no answer;
 	// BusyStatements the statements of a consumer's effect that the
-	// database failed for a moment.
-	ProcessorSilent, BusyStatements int
+	// database failed for a moment; BusyCreates those of a create after
+	// its key was claimed.
+	ProcessorSilent, BusyStatements, BusyCreates int
 }
 
 // add adds other's counts to c.
 func (c *simTransientCounts) add(other simTransientCounts) {
 	c.ProcessorSilent += other.ProcessorSilent
 	c.BusyStatements += other.BusyStatements
+	c.BusyCreates += other.BusyCreates
 }
 
 // String is the summary line's part.
 func (c simTransientCounts) String() string {
-	return fmt.Sprintf("%d processor retrieves unanswered, %d statements of a consumer's effect failed busy", c.ProcessorSilent, c.BusyStatements)
+	return fmt.Sprintf("%d processor retrieves unanswered, %d statements of a consumer's effect and %d of a create failed busy",
+		c.ProcessorSilent, c.BusyStatements, c.BusyCreates)
 }
 
 // simTransient is the state of the short faults in a run.
@@ -59,8 +67,11 @@ type simTransient struct {
 	// itself.
 	busyError error
 	// busyIn counts down the statements of the running effect; the one
-	// that takes it to zero fails. Zero: nothing is armed.
-	busyIn int
+	// that takes it to zero fails. Zero: nothing is armed. It never
+	// outlives its transaction (disarmBusy). busyCreate: it was armed in a
+	// create (busyCreate), not a consumer's effect.
+	busyIn     int
+	busyCreate bool
 	// ownFailures counts the failures of the broker consumers' own code
 	// the simulator made (failingSometimes, and a broken dependency at
 	// faultConsumerApply): the most the inbox may count against their
@@ -73,6 +84,7 @@ type simTransient struct {
 const (
 	processorSilentChance = 0.15
 	busyEffectChance      = 0.1
+	busyCreateChance      = 0.05
 )
 
 // processorSilent fails a retrieve at the processor now and then, as a
@@ -105,6 +117,25 @@ func (s *simulation) busySometimes(c consumer) consumer {
 	return c
 }
 
+// busyCreate, at a create's claimed key (in its transaction, in a group
+// commit's batch on SQLite), now and then arms the database busy at one
+// of the create's next statements: its order, its OrderCreated event, or
+// its completed key. Nothing on PostgreSQL (see the file comment).
+func (s *simulation) busyCreate(point faultPoint) {
+	if point != faultAfterKeyClaim || s.transient.busyError == nil || !s.chance(busyCreateChance) {
+		return
+	}
+	s.transient.busyIn, s.transient.busyCreate = 1+s.rng.IntN(3), true
+}
+
+// disarmBusy disarms a busy statement armed in a transaction that ended
+// before it was reached (a crash, an outage in between), so that it cannot
+// fail a later, unrelated statement. The network calls it at each
+// transaction's end (simDatabase.ended), and the simulator at quiesce.
+func (s *simulation) disarmBusy() {
+	s.transient.busyIn, s.transient.busyCreate = 0, false
+}
+
 // busyStatement is the network's busy hook (simDatabase.busy): it fails
 // the statement that the armed count reaches, and leaves the connection
 // and its transaction as they were.
@@ -116,12 +147,25 @@ func (s *simulation) busyStatement() error {
 	if s.transient.busyIn > 0 {
 		return nil
 	}
-	s.report.Counts.BusyStatements++
-	if action := s.current; action != nil {
-		// It may fail, or answer 503, for that reason.
-		action.sawOutage = true
-		s.tracef("a%d %s: the database is busy at one statement of the effect", action.id, action.process.name)
+	what := "the effect"
+	if s.transient.busyCreate {
+		what = "a create"
+		s.report.Counts.BusyCreates++
+	} else {
+		s.report.Counts.BusyStatements++
 	}
+	if action := s.current; action != nil {
+		// It may fail, or answer 503, for that reason; in a create, so may
+		// the members of the batch it leads, whichever member was busy.
+		action.sawOutage = true
+		if s.transient.busyCreate {
+			for _, queued := range s.queuedInGroup() {
+				queued.sawOutage = true
+			}
+		}
+		s.tracef("a%d %s: the database is busy at one statement of %s", action.id, action.process.name, what)
+	}
+	s.transient.busyCreate = false
 	return s.transient.busyError
 }
 
