@@ -337,7 +337,7 @@ func mutations() []mutation {
 		},
 		{
 			name:    "FingerprintIgnoresPath",
-			catcher: "TestCanonicalJSON/FingerprintCoversMethodAndPath",
+			catcher: "TestHTTPRefund/KeyReusedForAnotherOrderIsRefused",
 			fault:   "review: the request fingerprint hashes the body only, so a key reused for another order's refund replays the first order's answer instead of 422",
 			edits: []mutationEdit{
 				{"idem.go", "\tfmt.Fprintf(h, \"%d:%s\\n%d:%s\\n\", len(r.Method), r.Method, len(r.Path), r.Path)\n", ""},
