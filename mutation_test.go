@@ -295,6 +295,70 @@ func mutations() []mutation {
 				{"infra_groupcommit.go", "\toutcome := runRecovered(fn, tx)\n\tif outcome.failed() {", "\toutcome := runRecovered(fn, tx)\n\tif outcome.panicked != nil {"},
 			},
 		},
+		{
+			name:    "FullRefundLeavesOrderPaid",
+			catcher: "TestHTTPRefund/RefundIsMadeOnceAndReplayed",
+			fault:   "review: an order is marked refunded only once more than its amount is refunded, so a fully refunded order stays paid for ever",
+			edits: []mutationEdit{
+				{"refund.go", "status = CASE WHEN refunded_cents + ? >= amount_cents THEN 'refunded'", "status = CASE WHEN refunded_cents + ? > amount_cents THEN 'refunded'"},
+			},
+		},
+		{
+			name:    "ConfirmReleasesStock",
+			catcher: "TestSaga/PaidOrderIsCharged",
+			fault:   "review: the saga's confirm step settles the order's holds as released, not sold, so a paid order's goods go back on the shelf",
+			edits: []mutationEdit{
+				{"saga.go", "settleReservations(ctx, tx, run.order.OrderID, stockSold, now)", "settleReservations(ctx, tx, run.order.OrderID, stockReleased, now)"},
+			},
+		},
+		{
+			name:    "RecoveryIgnoresCompensatingSagas",
+			catcher: "TestSagaResume/CompensationsAreTriedAgain",
+			fault:   "review: only sagas in progress are claimed, so an interrupted compensation is never resumed: its order is never cancelled and its stock stays held",
+			edits: []mutationEdit{
+				{"infra_saga.go", "WHERE status IN ('in_progress', 'compensating')", "WHERE status = 'in_progress'"},
+			},
+		},
+		{
+			name:    "RetryOutcomeAcked",
+			catcher: "TestInbox/OutageDoesNotUseUpDeliveries",
+			fault:   "review: a message whose consumer failed transiently is acked, not naked, so the broker never delivers it again and its event is lost",
+			edits: []mutationEdit{
+				{"inbox.go", "\t\tcase inboxRetry:\n\t\t\tif err := a.broker.nak(ctx, d, consumeBackoff(results[i].Failures)); err != nil && !errors.Is(err, errDeliveryLeaseLost) {\n\t\t\t\t// One failed nak must not keep the others' acks back.\n\t\t\t\terrs = append(errs, err)\n\t\t\t}\n\t\tcase inboxApplied, inboxDuplicate, inboxPoison:\n", "\t\tcase inboxApplied, inboxDuplicate, inboxPoison, inboxRetry:\n"},
+			},
+		},
+		{
+			name:    "RefundInFlightNotAwaited",
+			catcher: "TestHTTPRefund/WebhookOvertakingOurRecordIsRetried",
+			fault:   "review: a charge.refunded that overtakes our own record of the same refund is counted as a dashboard refund instead of waiting, and our record then collides with it",
+			edits: []mutationEdit{
+				{"webhook.go", "\tif refundInFlight {\n\t\treturn errRefundInFlight\n\t}\n", ""},
+			},
+		},
+		{
+			name:    "PaymentPendingKeyReleased",
+			catcher: "TestHTTPRefund/TooEarlyIsNotStored",
+			fault:   "review: a refund asked before the order is paid releases its key instead of forgetting it, while the client is told nothing was stored; the completer refunds it later on its own",
+			edits: []mutationEdit{
+				{"refund.go", "\t\tif err := a.forgetKey(ctx, req, lease); err != nil {", "\t\tif err := a.releaseKey(ctx, req, lease); err != nil {"},
+			},
+		},
+		{
+			name:    "FingerprintIgnoresPath",
+			catcher: "TestHTTPRefund/KeyReusedForAnotherOrderIsRefused",
+			fault:   "review: the request fingerprint hashes the body only, so a key reused for another order's refund replays the first order's answer instead of 422",
+			edits: []mutationEdit{
+				{"idem.go", "\tfmt.Fprintf(h, \"%d:%s\\n%d:%s\\n\", len(r.Method), r.Method, len(r.Path), r.Path)\n", ""},
+			},
+		},
+		{
+			name:    "CleanupDeletesUnfinishedKeys",
+			catcher: "TestCleanup/DeletesExpiredKeys",
+			fault:   "review: cleanup deletes every expired key, finished or not, so an abandoned refund loses its key and is never completed",
+			edits: []mutationEdit{
+				{"cleanup.go", "WHERE expires_at <= ? AND recovery_point = 'finished' LIMIT ?)", "WHERE expires_at <= ? LIMIT ?)"},
+			},
+		},
 	}
 }
 

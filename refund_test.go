@@ -73,6 +73,21 @@ func TestHTTPRefund(t *testing.T) {
 		}
 	})
 
+	// Ensure a key reused for a refund of another order is refused as
+	// reused, though the bodies are alike: it is another request, and
+	// must not be answered with the first order's refund.
+	t.Run("KeyReusedForAnotherOrderIsRefused", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		first, _ := paidOrderOf(t, env, ts, keyUser42, "order-key-1", 5000)
+		second, _ := paidOrderOf(t, env, ts, keyUser42, "order-key-2", 3000)
+		mustRefund200(t, "the first order's refund", refundCall(t, ts, first, "r1", `{}`), false)
+		reused := refundCall(t, ts, second, "r1", `{}`)
+		if reused.Status != 422 || problemTypeOf(t, reused) != problemKeyReused {
+			t.Fatalf("the key reused for another order got %d %s, want 422 %s", reused.Status, reused.Body, problemKeyReused)
+		}
+	})
+
 	// Ensure a refund asked for while the payment is still in flight is a
 	// 409 that stores nothing: the same key works once the order is paid.
 	t.Run("TooEarlyIsNotStored", func(t *testing.T) {
