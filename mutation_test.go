@@ -359,6 +359,14 @@ func mutations() []mutation {
 				{"cleanup.go", "WHERE expires_at <= ? AND recovery_point = 'finished' LIMIT ?)", "WHERE expires_at <= ? LIMIT ?)"},
 			},
 		},
+		{
+			name:    "RefundProcessorKeyFromClientKey",
+			catcher: "TestHTTPRefundKeyExpiry/ExpiredKeyReusedIsRefusedNot500",
+			fault:   "review: the processor's refund key is built from the client's Idempotency-Key, scoped to its user and reusable once expired, not from our refund id; two users who chose the same key string, or one key reused after its expiry for another order, collide at the processor and a valid refund is refused",
+			edits: []mutationEdit{
+				{"refund.go", "a.processor.refund(ctx, \"refund:\"+refundID, order.ChargeID.String, amount)", "a.processor.refund(ctx, \"refund:\"+req.IdempotencyKey, order.ChargeID.String, amount)"},
+			},
+		},
 	}
 }
 

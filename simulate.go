@@ -122,6 +122,8 @@ type simCounts struct {
 	// Outages of the processor's API with a forged refund event in them
 	// (simulate_forged.go).
 	simForgedCounts
+	// Keys of a counter scheme two users share (simulate_sharedkeys.go).
+	simSharedKeysCounts
 	Repairs simRepairCounts
 }
 
@@ -162,6 +164,7 @@ func (c *simCounts) add(other simCounts) {
 	c.simTransientCounts.add(other.simTransientCounts)
 	c.simConsumersCounts.add(other.simConsumersCounts)
 	c.simForgedCounts.add(other.simForgedCounts)
+	c.simSharedKeysCounts.add(other.simSharedKeysCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -170,9 +173,9 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -333,6 +336,10 @@ type simulation struct {
 	// processorDownUntil is the step the processor's API is down until
 	// (simulate_forged.go).
 	processorDownUntil int
+	// keyCounters are the users' counter keys, by user and scheme, and
+	// keyUsers the users who sent each key string (simulate_sharedkeys.go).
+	keyCounters map[string]int
+	keyUsers    map[string][]string
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -1262,6 +1269,7 @@ func (s *simulation) sending(action *simAction) {
 	action.keyMayBeBusy = req.inFlight > 0 || (req.sends > 0 && undecided(req)) ||
 		(dropped && action.sentAt.Sub(req.lastEnd) < s.app.leases.refundLock)
 	s.model.sent(req, action.sentAt)
+	s.sharedKeySent(req)
 	action.sendsBefore = req.sends
 	req.inFlight++
 }
@@ -1297,8 +1305,13 @@ func containsRequest(requests []*simRequest, req *simRequest) bool {
 	return false
 }
 
-// newKey returns a fresh idempotency key of client's.
-func (s *simulation) newKey(client *simClient) string {
+// newKey returns a fresh idempotency key of client's: its user's next for
+// scheme, which another user may send too (simulate_sharedkeys.go), or one
+// of its own.
+func (s *simulation) newKey(client *simClient, scheme string) string {
+	if key := s.counterKey(client, scheme); key != "" {
+		return key
+	}
 	client.keys++
 	return fmt.Sprintf("%s-k%d", client.name, client.keys)
 }
@@ -1321,7 +1334,7 @@ func (s *simulation) newCreate(client *simClient) *simRequest {
 		items = append(items, orderItem{SKU: sku, Qty: int64(1 + s.rng.IntN(2))})
 	}
 	body := orderBodyJSON(int64(100*(1+s.rng.IntN(90))), items, card)
-	return &simRequest{client: client, kind: "create", method: "POST", path: "/api/orders", key: s.newKey(client), body: body}
+	return &simRequest{client: client, kind: "create", method: "POST", path: "/api/orders", key: s.newKey(client, "order"), body: body}
 }
 
 // orderBodyJSON is a create-order body.
@@ -1341,7 +1354,7 @@ func (s *simulation) newRefund(client *simClient, orderID string) *simRequest {
 	if s.chance(0.6) {
 		body = fmt.Sprintf(`{"amount_cents":%d}`, 100*(1+s.rng.IntN(40)))
 	}
-	return &simRequest{client: client, kind: "refund", method: "POST", path: refundPath(orderID), key: s.newKey(client), body: body, orderID: orderID}
+	return &simRequest{client: client, kind: "refund", method: "POST", path: refundPath(orderID), key: s.newKey(client, "refund"), body: body, orderID: orderID}
 }
 
 // newHostile returns a body that must be refused with 400 and leave
@@ -1356,7 +1369,7 @@ func (s *simulation) newHostile(client *simClient) *simRequest {
 		`{"amount_cents":100,"currency":"usd","items":[{"sku":"sku-1","qty":1,"QTY":7}],"payment_method":"pm_card_visa"}`,
 		`{"amount_cents":9223372036854775807,"currency":"usd","items":[{"sku":"sku-1","qty":1}],"payment_method":"pm_card_visa"}`,
 	}
-	return &simRequest{client: client, kind: "hostile", method: "POST", path: "/api/orders", key: s.newKey(client), body: pick(s, bodies)}
+	return &simRequest{client: client, kind: "hostile", method: "POST", path: "/api/orders", key: s.newKey(client, "order"), body: pick(s, bodies)}
 }
 
 // newWebhook returns a signed charge.refunded event, as the processor sends

@@ -95,6 +95,9 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.PoisonReplayedBeforeAck == 0 {
 		t.Errorf("in %d seeds no poison message was replayed before its consumer's ack", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.SharedKeys == 0 {
+		t.Errorf("in %d seeds no user sent a key string another user had sent", seeds)
+	}
 }
 
 // Ensure the seeds that once failed on a fault of the simulator itself
