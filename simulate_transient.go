@@ -111,7 +111,7 @@ func (s *simulation) busySometimes(c consumer) consumer {
 			return apply(ctx, tx, msg)
 		}
 		s.transient.busyIn = 1 + s.rng.IntN(3)
-		defer func() { s.transient.busyIn = 0 }()
+		defer s.disarmBusy()
 		return apply(ctx, tx, msg)
 	}
 	return c
