@@ -83,24 +83,6 @@ func (a *App) consumers() []consumer {
 	}, a.addedConsumers...)
 }
 
-// addConsumer wires one more consumer into a, as a second consumer of a
-// subject would be (the simulator's ledger): it subscribes it, has the
-// reconciler wait for it on each of its subjects, and gives it a wake-up.
-// From then on it is one of consumers(): the workers run it and an
-// operator replays its poison messages. Like subscribeConsumers, it must
-// run before anything is published.
-func (a *App) addConsumer(ctx context.Context, c consumer) error {
-	if err := a.broker.subscribe(ctx, c.name, c.subjects...); err != nil {
-		return err
-	}
-	for _, subject := range c.subjects {
-		a.deliveryTargets = append(a.deliveryTargets, deliveryTarget{subject: subject, consumer: c.name})
-	}
-	a.wake.consumers[c.name] = newWakeup()
-	a.addedConsumers = append(a.addedConsumers, c)
-	return nil
-}
-
 // subscribeConsumers subscribes every consumer to its subjects. It must run
 // before anything is published, as with a durable subscription on a real
 // broker.
@@ -416,4 +398,22 @@ func (a *App) nakFailedBatch(ctx context.Context, deliveries []delivery) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// addConsumer wires one more consumer into a, as a second consumer of a
+// subject would be (the simulator's ledger): it subscribes it, has the
+// reconciler wait for it on each of its subjects, and gives it a wake-up.
+// From then on it is one of consumers(): the workers run it and an
+// operator replays its poison messages. Like subscribeConsumers, it must
+// run before anything is published.
+func (a *App) addConsumer(ctx context.Context, c consumer) error {
+	if err := a.broker.subscribe(ctx, c.name, c.subjects...); err != nil {
+		return err
+	}
+	for _, subject := range c.subjects {
+		a.deliveryTargets = append(a.deliveryTargets, deliveryTarget{subject: subject, consumer: c.name})
+	}
+	a.wake.consumers[c.name] = newWakeup()
+	a.addedConsumers = append(a.addedConsumers, c)
+	return nil
 }
