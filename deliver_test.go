@@ -275,6 +275,51 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure a replay counts the delivery lag from the replay: an event
+	// first published longer than deliveryLag ago, poison since and
+	// replayed, is in flight, not late. Counted from its first publish,
+	// the audit after every repair failed on the replay itself.
+	t.Run("ReplayOfAnOldEventIsInFlightNotLate", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		fetched, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
+		if err != nil || len(fetched) != 1 {
+			t.Fatalf("fetched %v, %v", fetched, err)
+		}
+		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
+			paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryLag + time.Minute)
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		violations, err := audit(ctx, env.app.db, env.clock.now(), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, v := range violations {
+			t.Errorf("right after the replay: %s: %s", v.Invariant, v.Detail)
+		}
+		env.clock.advance(deliveryLag + time.Minute)
+		violations, err = audit(ctx, env.app.db, env.clock.now(), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(violations) != 1 || violations[0].Invariant != undeliveredInvariant {
+			t.Fatalf("a replay nobody applied for %s: violations %v, want %q", deliveryLag, violations, undeliveredInvariant)
+		}
+	})
+
 	// Ensure two relays never republish one event in one sweep, and that a
 	// relay paused past its lease cannot record a republish of an event
 	// that a relay under the same name (a restarted process) claimed since

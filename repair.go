@@ -280,14 +280,17 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			// event is in flight again until the consumer applies the
 			// replay, so a replay the broker loses is published again.
 			// Not once cleanup deleted another consumer's inbox row of it:
-			// a copy would then be new to that consumer.
+			// a copy would then be new to that consumer. It is published
+			// now: the delivery lag (check, the oldest-undelivered metric)
+			// counts from the replay, not from a first publish that may be
+			// days old.
 			_, err = tx.ExecContext(ctx, `
-				UPDATE outbox_events SET delivered_at = NULL
+				UPDATE outbox_events SET delivered_at = NULL, published_at = ?
 				WHERE event_id = ? AND NOT EXISTS (
 					SELECT 1 FROM `+subscriptionsTable(a.deliveryTargets)+` s
 					WHERE s.subject = outbox_events.event_type AND s.consumer <> ?
 					  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = outbox_events.event_id))`,
-				poison.MessageID, poison.Consumer)
+				formatTime(now), poison.MessageID, poison.Consumer)
 			if err != nil {
 				return fmt.Errorf("put %s back in flight: %w", terminalSafe(poison.MessageID), err)
 			}
