@@ -204,7 +204,7 @@ func (o *chaosOperator) repair(ctx context.Context, faults bool, args []string) 
 		done := make(chan error, 1)
 		go func() { done <- cmd.Wait() }()
 		var err error
-		killed := false
+		killed, paused := false, false
 		switch fate {
 		case 1:
 			select {
@@ -220,6 +220,7 @@ func (o *chaosOperator) repair(ctx context.Context, faults bool, args []string) 
 			case err = <-done:
 			case <-time.After(delay):
 				cmd.Process.Signal(syscall.SIGSTOP)
+				paused = true
 				o.counts.Paused++
 				time.Sleep(pause)
 				cmd.Process.Signal(syscall.SIGCONT)
@@ -231,9 +232,10 @@ func (o *chaosOperator) repair(ctx context.Context, faults bool, args []string) 
 		if killed {
 			continue
 		}
-		if err != nil && unavailable(out.String()) && attempt < 20 {
-			// An outage, or a paused process holding SQLite's write lock
-			// past busy_timeout: the operator tries again.
+		if err != nil && (unavailable(out.String()) || paused && timedOut(out.String())) && attempt < 20 {
+			// An outage, a paused process holding SQLite's write lock
+			// past busy_timeout, or a call (to NATS) whose deadline ran
+			// out while this process was paused: the operator tries again.
 			time.Sleep(time.Second)
 			continue
 		}
@@ -268,6 +270,12 @@ func onlyOthersSetAside(output string) bool {
 		}
 	}
 	return true
+}
+
+// timedOut reports whether a repair's output says a call's deadline ran
+// out: a fault of its own unless the process was paused past it.
+func timedOut(output string) bool {
+	return strings.Contains(output, "context deadline exceeded")
 }
 
 // unavailable reports whether a repair's output says the database could
