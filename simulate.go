@@ -1946,26 +1946,27 @@ func newSimulateCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "simulate",
 		Short: "Run the deterministic simulator: clients, workers, crashes, pauses and clock jumps from a seed",
-		Long: `simulate runs every layer in one process, driven by one seeded random source:
-virtual clients (new requests, retries, concurrent duplicates, keys reused
-after expiry, refunds, hostile bodies, signed webhooks), workers under
-leases, process crashes, pauses past a lease, clock jumps, lost processor
-responses, a processor that does not answer a retrieve (or whose API is
-down for a few steps while a forged refund event arrives), database outages
-(one may begin inside a transaction, or just after a commit, whose answer
-is then lost; on PostgreSQL also backends terminated mid-transaction and
-serialization failures), a database busy at one statement of a
-consumer's effect, a full disk, group
+		Long: `simulate runs every layer in one process, driven by one seeded random
+source: virtual clients (new requests, retries, concurrent duplicates, keys
+reused after expiry, refunds, hostile bodies, signed webhooks), workers
+under leases, process crashes, pauses past a lease, clock jumps, lost
+processor responses, a processor that does not answer a retrieve (or whose
+API is down for a few steps while a forged refund event arrives), database
+outages (one may begin inside a transaction, or just after a commit, whose
+answer is then lost; on PostgreSQL also backends terminated mid-transaction
+and serialization failures), a database busy at one statement of a
+consumer's effect or of a create inside a group commit, a full disk, group
 commits of several members, consumers that fail, orders of several items,
-keys reused on another route, our own refunds announced in flight, refunds
-abandoned mid-call and asked for again a day later, saga workers frozen
-past their lease, a second consumer of OrderCreated (a ledger) that a
-lost message may miss while the payment service applied it, a poison
-message replayed before its consumer's ack, and a broker that delivers a
-batch out of order, loses acks and gets publishes twice. Every answer is judged, as it is given, against a reference model
-of what the request must get; after every step the in-flight invariants
-of check must hold; at the end the system is made quiet and the full
-check, each order's fate and every answer the clients got are checked.
+keys reused on another route, two users who choose the same key strings, our
+own refunds announced in flight, refunds abandoned mid-call and asked for
+again a day later, saga workers frozen past their lease, a second consumer
+of OrderCreated (a ledger) that a lost message may miss while the payment
+service applied it, a poison message replayed before its consumer's ack, and
+a broker that delivers a batch out of order, loses acks and gets publishes
+twice. Every answer is judged, as it is given, against a reference model of
+what the request must get; after every step the in-flight invariants of
+check must hold; at the end the system is made quiet and the full check,
+each order's fate and every answer the clients got are checked.
 
 The same seed gives the same run, byte for byte: a failure prints its seed
 and step, and 'retrysafe simulate --seed N --trace' replays it.`,
