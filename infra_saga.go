@@ -813,3 +813,24 @@ func releaseSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim) error {
 	}
 	return nil
 }
+
+// sagaAlreadyStarted decides, in tx, about an OrderCreated (eventID) for an
+// order that has a fulfilment saga. The one that started it, come again,
+// changes nothing: a copy normally meets its inbox row and is skipped, but
+// cleanup deletes inbox rows after messageRetention, and a copy can come
+// later still (on NATS an operator's replay of the event for another
+// consumer of its subject reaches every consumer). Poison, it would come
+// back with every replay. Any other OrderCreated of the order must not
+// start a second saga: it is poison. (A saga started before schema
+// version 8 did not record its event: a copy of its OrderCreated is poison
+// too, as every one was then.)
+func sagaAlreadyStarted(ctx context.Context, tx *sql.Tx, orderID, eventID string) error {
+	var startedBy sql.NullString
+	if err := tx.QueryRowContext(ctx, `SELECT started_by FROM saga_instances WHERE order_id = ?`, orderID).Scan(&startedBy); err != nil {
+		return fmt.Errorf("read the saga of order %s: %w", orderID, err)
+	}
+	if startedBy.Valid && startedBy.String == eventID {
+		return nil
+	}
+	return permanent(fmt.Errorf("order %s already has a fulfilment saga", orderID))
+}

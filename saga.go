@@ -164,18 +164,21 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	// The steps run later, each in a span of its own that links to the
 	// message's creation context: the saga keeps it.
 	traceparent, tracestate := msg.Trace.columns()
-	_, err := tx.ExecContext(ctx, `
+	started, err := tx.ExecContext(ctx, `
 		INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at,
-		                            traceparent, tracestate)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-		sagaID, payload.OrderID, sagaInProgress, steps[0], now, now, now, traceparent, tracestate)
-	if isUniqueViolation(err) {
-		// A second OrderCreated for the same order (another event id) must
-		// not start a second saga.
-		return permanent(fmt.Errorf("order %s already has a fulfilment saga", payload.OrderID))
-	}
+		                            started_by, traceparent, tracestate)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		ON CONFLICT (order_id) DO NOTHING`,
+		sagaID, payload.OrderID, sagaInProgress, steps[0], now, now, now, msg.ID, traceparent, tracestate)
 	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
+	}
+	if n, err := started.RowsAffected(); err != nil {
+		return fmt.Errorf("insert saga: %w", err)
+	} else if n == 0 {
+		// The order has its saga: this is the OrderCreated that started
+		// it, come again, or a second one (sagaAlreadyStarted).
+		return sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)
 	}
 	// Every step starts pending: it is marked done only with its effect.
 	values := make([]string, len(steps))

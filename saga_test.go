@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -91,6 +92,47 @@ func TestSaga(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ? AND status = 'succeeded' AND amount_cents = 5000`, orderID); got != 1 {
 			t.Fatalf("got %d charges, want 1", got)
+		}
+	})
+
+	// Ensure a copy of the OrderCreated that started an order's saga,
+	// arriving after cleanup deleted the payment service's inbox row of it,
+	// is a duplicate, not poison: cleanup keeps an inbox row a week, and a
+	// copy can come later (NATS delivers an operator's replay for another
+	// consumer of the subject to every consumer). As poison it came back
+	// with every replay, for ever. A second OrderCreated under another id
+	// is still refused: no order gets two sagas.
+	t.Run("OrderCreatedAgainAfterCleanupIsADuplicate", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		var msg message
+		if err := env.app.db.QueryRowContext(ctx, `
+			SELECT event_id, event_type, payload FROM outbox_events WHERE aggregate_id = ? AND event_type = 'OrderCreated'`,
+			orderID).Scan(&msg.ID, &msg.Subject, &msg.Payload); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.db.ExecContext(ctx, `DELETE FROM inbox_messages WHERE consumer = ? AND message_id = ?`,
+			paymentServiceConsumer, msg.ID); err != nil {
+			t.Fatal(err)
+		}
+		apply := func(msg message) func(tx *sql.Tx) error {
+			return func(tx *sql.Tx) error { return env.app.startFulfilment(ctx, tx, msg) }
+		}
+		again, err := env.app.receive(ctx, paymentServiceConsumer, msg.ID, 1, apply(msg))
+		if err != nil || again.Outcome != inboxApplied {
+			t.Fatalf("the copy after cleanup: %s, %v; want it applied as the duplicate it is", again.Outcome, err)
+		}
+		if got := sagaSteps(t, env, orderID); got != "completed: reserve_stock=done charge_card=done confirm=done" {
+			t.Fatalf("saga after the copy: %s", got)
+		}
+		forged := msg
+		forged.ID = "evt_another"
+		second, err := env.app.receive(ctx, paymentServiceConsumer, forged.ID, 1, apply(forged))
+		if err != nil || second.Outcome != inboxPoison {
+			t.Fatalf("a second OrderCreated of the order: %s, %v; want poison", second.Outcome, err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE order_id = ?`, orderID); got != 1 {
+			t.Fatalf("order has %d sagas, want 1", got)
 		}
 	})
 

@@ -406,3 +406,11 @@ CREATE INDEX outbox_events_undelivered ON outbox_events (published_at)
 -- writes to it.
 CREATE INDEX inbox_messages_poison ON inbox_messages (message_id)
     WHERE status = 'poison';
+
+-- version 8
+
+-- A saga records the OrderCreated that started it: a copy of that event
+-- that comes after cleanup deleted the payment service's inbox row of it
+-- (a week on) is then a duplicate, not a second order created
+-- (sagaAlreadyStarted). Sagas started before this version have none.
+ALTER TABLE saga_instances ADD COLUMN started_by TEXT;

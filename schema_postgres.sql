@@ -372,3 +372,8 @@ CREATE INDEX IF NOT EXISTS outbox_events_undelivered ON outbox_events (published
 -- writes to it.
 CREATE INDEX IF NOT EXISTS inbox_messages_poison ON inbox_messages (message_id)
     WHERE status = 'poison';
+
+-- version 8
+
+-- The OrderCreated that started each saga: see version 8 of schema.sql.
+ALTER TABLE saga_instances ADD COLUMN started_by TEXT;
