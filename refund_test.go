@@ -188,6 +188,31 @@ func TestHTTPRefund(t *testing.T) {
 		mustAudit(t, env, false)
 	})
 
+	// Ensure a request whose key the client's retry took over while it
+	// stalled between claiming the key and its first phase writes nothing
+	// when it wakes: unfenced, its first phase found the retry's refund
+	// under the key and stored 422 "key expired" over the retry's 200,
+	// and every later retry replayed the 422.
+	t.Run("StalledBeforeFirstPhaseTakenOverWritesNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		ctx := context.Background()
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+		key, lease, replay, err := env.app.acquireKey(ctx, req)
+		if err != nil || replay != nil {
+			t.Fatalf("acquire: %v %v", replay, err)
+		}
+		env.clock.advance(env.app.leases.refundLock + time.Second)
+		refundID := mustRefund200(t, "the retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), false)
+		if stale, err := env.app.runRefundPhases(ctx, req, lease, key, orderID, refund); !errors.Is(err, errKeyInProgress) {
+			t.Errorf("the stalled request got %d %s, %v; want errKeyInProgress", stale.Status, stale.Body, err)
+		}
+		if got := mustRefund200(t, "a later retry", refundCall(t, ts, orderID, "r1", `{"amount_cents":2000}`), true); got != refundID {
+			t.Fatalf("a later retry replayed refund %s, want %s", got, refundID)
+		}
+	})
+
 	// Ensure a webhook that overtakes our own record of a refund is asked for
 	// again instead of counting the refund twice, and nothing gets stuck.
 	t.Run("WebhookOvertakingOurRecordIsRetried", func(t *testing.T) {
