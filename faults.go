@@ -47,6 +47,11 @@ const (
 	faultAfterProcessorCall faultPoint = "saga.after_processor_call"
 	// faultMidCompensation: one compensation is recorded, the next not run.
 	faultMidCompensation faultPoint = "saga.mid_compensation"
+	// faultRefundKeyClaimed: a refund's key claim committed (the request
+	// holds its lease), its first phase not started. A request paused here
+	// past the lease finds, when it wakes, that the client's retry took
+	// the key over.
+	faultRefundKeyClaimed faultPoint = "refund.after_key_claim"
 	// faultRefundStarted: a refund's first phase committed (recovery point
 	// refund_requested), the processor not yet called.
 	faultRefundStarted faultPoint = "refund.after_started"
@@ -78,6 +83,7 @@ func allFaultPoints() []faultPoint {
 		faultBeforeProcessorCall,
 		faultAfterProcessorCall,
 		faultMidCompensation,
+		faultRefundKeyClaimed,
 		faultRefundStarted,
 		faultRefundAfterProcessor,
 		faultProcessorLoseResponse,

@@ -110,6 +110,9 @@ func (a *App) refundOrder(ctx context.Context, req idempotentRequest, orderID st
 	if replay != nil {
 		return *replay, nil
 	}
+	if err := a.fault.at(ctx, faultRefundKeyClaimed); err != nil {
+		return apiResponse{}, err
+	}
 	response, err := a.runRefundPhases(ctx, req, lease, key, orderID, refund)
 	switch {
 	case err == nil, errors.Is(err, errCrash), errors.Is(err, errKeyInProgress):

@@ -111,7 +111,7 @@ func TestHTTPRefund(t *testing.T) {
 	// Ensure a crash at each recovery point, then a retry, resumes there and
 	// refunds once; while the dead request's lease is fresh, a retry gets
 	// 409 with Retry-After.
-	for _, point := range []faultPoint{faultRefundStarted, faultRefundAfterProcessor} {
+	for _, point := range []faultPoint{faultRefundKeyClaimed, faultRefundStarted, faultRefundAfterProcessor} {
 		t.Run("CrashAt_"+string(point)+"_ResumesAfterLease", func(t *testing.T) {
 			env := MustOpenApp(t)
 			ts := newTestServer(t, env)
@@ -186,6 +186,31 @@ func TestHTTPRefund(t *testing.T) {
 			t.Fatalf("refunded_cents:OrderRefunded events = %s, want 2000:1", got)
 		}
 		mustAudit(t, env, false)
+	})
+
+	// Ensure a refund still in flight counts against what remains: while
+	// one refund of 3000 waits for the processor, a second of 3000 under
+	// another key of a 5000 order is refused 422, and only the first is
+	// made. Counting the succeeded refunds alone, both went to the
+	// processor and 6000 of 5000 was refunded.
+	t.Run("RefundInFlightCountsAgainstWhatRemains", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		var second response
+		env.fault.set(func(point faultPoint, pass int) error {
+			if point == faultRefundStarted && pass == 1 {
+				second = refundCall(t, ts, orderID, "r2", `{"amount_cents":3000}`)
+			}
+			return nil
+		})
+		mustRefund200(t, "the first refund", refundCall(t, ts, orderID, "r1", `{"amount_cents":3000}`), false)
+		if second.Status != 422 || !strings.Contains(second.Body, string(problemRefundTooLarge)) {
+			t.Fatalf("the second refund, while the first was in flight, got %d %s; want 422 %s", second.Status, second.Body, problemRefundTooLarge)
+		}
+		if got := env.str(t, `SELECT refunded_cents || ':' || (SELECT COALESCE(SUM(amount_cents), 0) FROM processor_refunds) FROM orders`); got != "3000:3000" {
+			t.Fatalf("refunded_cents:processor's refunds = %s, want 3000:3000", got)
+		}
 	})
 
 	// Ensure a request whose key the client's retry took over while it
