@@ -367,6 +367,47 @@ func mutations() []mutation {
 				{"refund.go", "a.processor.refund(ctx, \"refund:\"+refundID, order.ChargeID.String, amount)", "a.processor.refund(ctx, \"refund:\"+req.IdempotencyKey, order.ChargeID.String, amount)"},
 			},
 		},
+		{
+			name:    "RelayMarksBeforePublish",
+			catcher: "TestSetAsideFaults",
+			fault:   "review: the relay marks a batch published before the broker has it; a crash or a refused publish in between leaves events published that the broker never got, never retried and never failed",
+			edits: []mutationEdit{
+				{"outbox.go", "\t// One batch: a broker round trip per batch, not per event.\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {", "\tif err := a.markPublished(ctx, relayID, events); err != nil {\n\t\treturn 0, err\n\t}\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {"},
+				{"outbox.go", "\tif err := a.markPublished(ctx, relayID, events); err != nil {\n\t\treturn 0, err\n\t}\n\treturn len(events), nil", "\treturn len(events), nil"},
+			},
+		},
+		{
+			name:    "UndeliveredIgnoresConsumer",
+			catcher: "TestDelivery/EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt",
+			fault:   "review: an event counts as delivered to a consumer once any consumer has an inbox row of it; a message the broker lost for the other consumer is never published again",
+			edits: []mutationEdit{
+				{"deliver.go", "AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id))`\n}", "AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id))`\n}"},
+			},
+		},
+		{
+			name:    "FirstStepNeverUndone",
+			catcher: "TestSagaDecisions/StepsToUndo",
+			fault:   "review: compensation stops before the first step, so reserve_stock is never undone and a cancelled order keeps its stock held",
+			edits: []mutationEdit{
+				{"saga.go", "for i := len(steps) - 1; i >= 0; i-- {", "for i := len(steps) - 1; i > 0; i-- {"},
+			},
+		},
+		{
+			name:    "PendingRefundsNotCounted",
+			catcher: "TestHTTPRefund/RefundInFlightCountsAgainstWhatRemains",
+			fault:   "review: what remains refundable counts the refunds that succeeded, not those still in flight; two refunds under different keys together exceed the charge",
+			edits: []mutationEdit{
+				{"refund.go", "FROM refunds WHERE order_id = ? AND status IN ('pending', 'succeeded')`,\n\t\t\torderID).Scan(&committed)", "FROM refunds WHERE order_id = ? AND status = 'succeeded'`,\n\t\t\torderID).Scan(&committed)"},
+			},
+		},
+		{
+			name:    "RefundFirstPhaseUnfenced",
+			catcher: "TestHTTPRefund/StalledBeforeFirstPhaseTakenOverWritesNothing",
+			fault:   "review: a refund's first phase writes without checking that its request still holds the key; a request paused between its claim and that phase stores its answer over the one of the retry that took the key over",
+			edits: []mutationEdit{
+				{"refund.go", "\t\tfinished = nil // withTx may run this again\n\t\tif err := holdsLease(ctx, tx, req, lease); err != nil {\n\t\t\treturn err\n\t\t}\n\t\tnow := a.now()", "\t\tfinished = nil // withTx may run this again\n\t\tnow := a.now()"},
+			},
+		},
 	}
 }
 

@@ -329,9 +329,12 @@ type simulation struct {
 	// replayRace is the poison message replayed before its consumer's
 	// ack, until that consumer wakes up (simulate_consumers.go).
 	replayRace *simReplayRace
-	operator   simOperator
-	transient  simTransient
-	report     simReport
+	// ledgerFault is the first copy of a message the ledger's inbox let
+	// through while it should still remember it (bookOrder).
+	ledgerFault string
+	operator    simOperator
+	transient   simTransient
+	report      simReport
 
 	// processorDownUntil is the step the processor's API is down until
 	// (simulate_forged.go).
@@ -1655,6 +1658,9 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 	if err := s.checkFailuresCounted(ctx); err != nil {
 		return err
 	}
+	if err := s.checkPublishedInBroker(ctx); err != nil {
+		return err
+	}
 	return s.checkSetAside(ctx)
 }
 
@@ -1961,12 +1967,14 @@ keys reused on another route, two users who choose the same key strings, our
 own refunds announced in flight, refunds abandoned mid-call and asked for
 again a day later, saga workers frozen past their lease, a second consumer
 of OrderCreated (a ledger) that a lost message may miss while the payment
-service applied it, a poison message replayed before its consumer's ack, and
-a broker that delivers a batch out of order, loses acks and gets publishes
-twice. Every answer is judged, as it is given, against a reference model of
-what the request must get; after every step the in-flight invariants of
-check must hold; at the end the system is made quiet and the full check,
-each order's fate and every answer the clients got are checked.
+service applied it, a poison message replayed before its consumer's ack,
+replays that reach every consumer of the subject (one whose inbox forgot the
+message after a week included), and a broker that delivers a batch out of
+order, loses acks and gets publishes twice. Every answer is judged, as it is
+given, against a reference model of what the request must get; after every
+step the in-flight invariants of check must hold and every event marked
+published must be in the broker; at the end the system is made quiet and the
+full check, each order's fate and every answer the clients got are checked.
 
 The same seed gives the same run, byte for byte: a failure prints its seed
 and step, and 'retrysafe simulate --seed N --trace' replays it.`,

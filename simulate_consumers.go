@@ -50,18 +50,26 @@ type simConsumersCounts struct {
 	// PoisonReplayedBeforeAck counts poison messages replayed while the
 	// consumer that recorded them had not acked yet.
 	PoisonReplayedBeforeAck int
+	// ReplaysToEvery counts the copies a replay delivered to the other
+	// consumers of its subject (replayToEvery); ReplaysForgotten those of
+	// them that reached a consumer whose inbox no longer had the message.
+	ReplaysToEvery, ReplaysForgotten int
 }
 
 // add adds other's counts to c.
 func (c *simConsumersCounts) add(other simConsumersCounts) {
 	c.LostAfterOneApplied += other.LostAfterOneApplied
 	c.PoisonReplayedBeforeAck += other.PoisonReplayedBeforeAck
+	c.ReplaysToEvery += other.ReplaysToEvery
+	c.ReplaysForgotten += other.ReplaysForgotten
 }
 
 // String says how often a run reached the structures, for the summary.
 func (c simConsumersCounts) String() string {
 	return fmt.Sprintf("%d messages lost for one consumer of OrderCreated after the other had applied them, "+
-		"%d poison messages replayed before their ack", c.LostAfterOneApplied, c.PoisonReplayedBeforeAck)
+		"%d poison messages replayed before their ack, %d copies of replays delivered to every consumer of the subject "+
+		"(%d to a consumer whose inbox had forgotten the message)",
+		c.LostAfterOneApplied, c.PoisonReplayedBeforeAck, c.ReplaysToEvery, c.ReplaysForgotten)
 }
 
 // wireLedger creates the ledger's table and wires the ledger into the App,
@@ -77,11 +85,25 @@ func (s *simulation) wireLedger(ctx context.Context) error {
 }
 
 // bookOrder is the ledger's apply: one row per OrderCreated, in the inbox's
-// transaction.
+// transaction. A message it booked already changes nothing, but only one
+// the inbox may have forgotten, booked more than messageRetention ago (a
+// replay's copy: replayToEvery); an earlier one the inbox let through is
+// a fault (s.ledgerFault).
 func (s *simulation) bookOrder(ctx context.Context, tx *sql.Tx, msg message) error {
 	orderID := payloadOrderID(msg.Payload)
 	if orderID == "" {
 		return permanent(fmt.Errorf("OrderCreated %s names no order", msg.ID))
+	}
+	var booked, recently int
+	if err := tx.QueryRowContext(ctx, `SELECT COUNT(*), COUNT(*) FILTER (WHERE booked_at > ?) FROM sim_ledger_entries WHERE message_id = ?`,
+		formatTime(s.clock.now().Add(-messageRetention)), msg.ID).Scan(&booked, &recently); err != nil {
+		return fmt.Errorf("read the ledger: %w", err)
+	}
+	if recently > 0 && s.ledgerFault == "" {
+		s.ledgerFault = fmt.Sprintf("%s got %s of order %s again, booked less than %s ago: its inbox let a copy through", simLedgerConsumer, msg.ID, orderID, messageRetention)
+	}
+	if booked > 0 {
+		return nil
 	}
 	_, err := tx.ExecContext(ctx, `INSERT INTO sim_ledger_entries (message_id, order_id, booked_at) VALUES (?, ?, ?)`,
 		msg.ID, orderID, formatTime(s.clock.now()))
@@ -94,6 +116,9 @@ func (s *simulation) bookOrder(ctx context.Context, tx *sql.Tx, msg message) err
 // checkLedger fails the run unless, once quiet, the ledger booked every
 // order exactly once: no OrderCreated lost for it, none applied twice.
 func (s *simulation) checkLedger(ctx context.Context) error {
+	if s.ledgerFault != "" {
+		return s.fail("%s", s.ledgerFault)
+	}
 	rows, err := s.direct.QueryContext(ctx, `
 		SELECT o.order_id, COUNT(l.order_id) FROM orders o LEFT JOIN sim_ledger_entries l ON l.order_id = o.order_id
 		GROUP BY o.order_id HAVING COUNT(l.order_id) <> 1 ORDER BY o.order_id`)
@@ -144,6 +169,9 @@ func (s *simulation) loseAfterAnAck(ctx context.Context) error {
 		return fmt.Errorf("lose a message: %w", err)
 	}
 	for _, id := range lost {
+		if b, ok := s.app.broker.(*simBroker); ok {
+			b.markLost(id)
+		}
 		s.report.Counts.LostMessages++
 		s.report.Counts.LostAfterOneApplied++
 		s.tracef("the broker loses %s, which one of its subscribers acked and another has not", id)
@@ -157,6 +185,9 @@ type simReplayRace struct {
 	action              *simAction
 	consumer, messageID string
 	stage               replayRaceStage
+	// away is the pass that runs while the operator is away a week before
+	// the fix (once it is started; stepReplayRace).
+	away *simAction
 }
 
 // replayRaceStage is how far a simReplayRace has come.
@@ -245,6 +276,12 @@ func (s *simulation) stepReplayRace(ctx context.Context) (bool, error) {
 			action.err = err
 		})
 	case raceSwept:
+		if r.away == nil && s.chance(1.0/3) {
+			return true, s.operatorAway(ctx, r)
+		}
+		if r.away != nil && containsAction(s.actions, r.away) {
+			return false, nil
+		}
 		r.stage = raceReplayed
 		s.report.Counts.PoisonReplayedBeforeAck++
 		s.report.Counts.Repairs.Runs++
@@ -263,4 +300,61 @@ func (s *simulation) stepReplayRace(ctx context.Context) (bool, error) {
 	default:
 		return false, fmt.Errorf("bug: unhandled replay race stage %d", r.stage)
 	}
+}
+
+// operatorAway starts r's week without an operator: the other consumers
+// apply what is due (the message too, if they had not), a week and an
+// hour pass, and cleanup runs, which deletes their inbox rows of it. The
+// replay that follows, when it reaches every consumer (replayToEvery),
+// then reaches one that no longer remembers the message.
+func (s *simulation) operatorAway(ctx context.Context, r *simReplayRace) error {
+	process := pick(s, s.processes[2:4])
+	r.away = &simAction{process: process, what: "runWorkersOnce, then cleanupOnce a week later"}
+	s.report.Counts.WorkerPasses++
+	s.tracef("the operator is away a week before the fix of %s while a%d holds %s", r.consumer, r.action.id, r.messageID)
+	return s.start(ctx, r.away, func(ctx context.Context) {
+		if _, err := s.app.runWorkersOnce(ctx, process.name); err != nil {
+			r.away.err = err
+			return
+		}
+		s.clock.advance(messageRetention + time.Hour)
+		s.report.Counts.ClockJumps++
+		result, err := s.app.cleanupOnce(ctx)
+		r.away.result = workerResult(result.InboxMessages, "inbox rows deleted", err)
+		r.away.err = err
+	})
+}
+
+// replayToEvery delivers a replayed msg, in the replay's tx, to every
+// consumer of its subject besides subscriber, as JetStream delivers the
+// new message its replay publishes. Most of them applied it long ago and
+// their inbox skips it; one whose inbox row cleanup deleted (a week after
+// it applied the message: the operator replays what waited that long)
+// meets it as new, and must still apply it only once: the payment service
+// finds the saga that message started (sagaAlreadyStarted), the ledger the
+// booking it made (bookOrder).
+func (b *simBroker) replayToEvery(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
+	for _, c := range b.s.app.consumers() {
+		if c.name == subscriber || !subscribes(c, msg.Subject) {
+			continue
+		}
+		// Forgotten: no inbox row, and the event is older than what
+		// cleanup keeps (one that is not has not reached c yet).
+		var forgotten bool
+		if err := tx.QueryRowContext(ctx, `
+			SELECT NOT EXISTS (SELECT 1 FROM inbox_messages WHERE consumer = ? AND message_id = ?)
+			   AND EXISTS (SELECT 1 FROM outbox_events WHERE event_id = ? AND created_at <= ?)`,
+			c.name, msg.ID, msg.ID, formatTime(b.s.clock.now().Add(-messageRetention))).Scan(&forgotten); err != nil {
+			return fmt.Errorf("read the inbox of %s: %w", c.name, err)
+		}
+		if err := b.messageBroker.replay(ctx, tx, c.name, msg, replayID); err != nil {
+			return err
+		}
+		b.s.report.Counts.ReplaysToEvery++
+		if forgotten {
+			b.s.report.Counts.ReplaysForgotten++
+			b.s.tracef("the replay of %s reaches %s too, whose inbox no longer remembers it", msg.ID, c.name)
+		}
+	}
+	return nil
 }

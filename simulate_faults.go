@@ -436,14 +436,52 @@ func (b *simBroker) loseAcknowledged(ctx context.Context) error {
 		return fmt.Errorf("lose a message: %w", err)
 	}
 	for _, id := range lost {
-		if b.lost == nil {
-			b.lost = map[string]bool{}
-		}
-		b.lost[id] = true
+		b.markLost(id)
 		b.s.report.Counts.LostMessages++
 		b.s.tracef("the broker loses %s, which it acknowledged", id)
 	}
 	return nil
+}
+
+// markLost records that the broker lost the message id.
+func (b *simBroker) markLost(id string) {
+	if b.lost == nil {
+		b.lost = map[string]bool{}
+	}
+	b.lost[id] = true
+}
+
+// checkPublishedInBroker fails the run if an event the outbox says is
+// published is not in the broker, and the broker did not lose it: the
+// relay records an event published only after the broker acknowledged it
+// (relayOnce), so a crash, an outage or a refused publish in between
+// leaves it pending, to be published again. Events older than
+// messageRetention are left out: cleanup deletes the broker's copy of one
+// every consumer acked.
+func (s *simulation) checkPublishedInBroker(ctx context.Context) error {
+	b, ok := s.app.broker.(*simBroker)
+	if !ok {
+		return nil
+	}
+	rows, err := s.direct.QueryContext(ctx, `
+		SELECT e.event_id FROM outbox_events e
+		WHERE e.status = 'published' AND e.published_at > ?
+		  AND NOT EXISTS (SELECT 1 FROM broker_messages m WHERE m.message_id = e.event_id)`,
+		formatTime(s.clock.now().Add(-messageRetention)))
+	if err != nil {
+		return fmt.Errorf("read the published events: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return fmt.Errorf("read the published events: %w", err)
+		}
+		if !b.lost[id] {
+			return s.fail("the outbox says %s is published, and the broker never had it (nor lost it)", id)
+		}
+	}
+	return rows.Err()
 }
 
 // fetch hands a batch over, sometimes in another order.
@@ -488,7 +526,9 @@ func (b *simBroker) nak(ctx context.Context, d delivery, delay time.Duration) er
 // the repair read (the outbox's), as JetStream's replay publishes a new
 // message (natsBroker.replay). The embedded broker, which loses nothing,
 // refuses a replay it holds no copy of; the simulated one stands for
-// JetStream, which loses messages and replays them all the same.
+// JetStream, which loses messages and replays them all the same. And half
+// the time, as JetStream's new message does, the replay reaches every
+// consumer of the subject, not only subscriber (replayToEvery).
 func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
 	if b.lost[msg.ID] {
 		_, err := tx.ExecContext(ctx, `
@@ -499,5 +539,11 @@ func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, m
 			return fmt.Errorf("publish %s again: %w", msg.ID, err)
 		}
 	}
-	return b.messageBroker.replay(ctx, tx, subscriber, msg, replayID)
+	if err := b.messageBroker.replay(ctx, tx, subscriber, msg, replayID); err != nil {
+		return err
+	}
+	if b.s.chance(0.5) {
+		return b.replayToEvery(ctx, tx, subscriber, msg, replayID)
+	}
+	return nil
 }

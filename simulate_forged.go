@@ -17,7 +17,7 @@
 // Left to chance, this never met: the simulator's forged events are few,
 // most arrive before their order's payment is recorded (they wait for it,
 // and by their next delivery the processor answers), and a retrieve goes
-// unanswered one time in seven (simulate_transient.go). So the structure
+// unanswered about one time in three (simulate_transient.go). So the structure
 // aims the event at an order already paid, with no refund pending, and
 // sends it at once, inside the outage.
 

@@ -98,6 +98,14 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.SharedKeys == 0 {
 		t.Errorf("in %d seeds no user sent a key string another user had sent", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds && total.ReplaysToEvery == 0 {
+		t.Errorf("in %d seeds no replay reached every consumer of its subject", seeds)
+	}
+	// About one seed in a hundred builds the week an operator is away
+	// and then replays to every consumer: CI's thousands must reach it.
+	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysForgotten == 0 {
+		t.Errorf("in %d seeds no replay reached a consumer whose inbox had forgotten the message", seeds)
+	}
 }
 
 // Ensure the seeds that once failed on a fault of the simulator itself

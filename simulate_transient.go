@@ -82,7 +82,7 @@ type simTransient struct {
 // Rates of the short faults: per retrieve, and per message a consumer
 // applies.
 const (
-	processorSilentChance = 0.15
+	processorSilentChance = 0.3
 	busyEffectChance      = 0.1
 	busyCreateChance      = 0.05
 )
