@@ -455,9 +455,11 @@ func (b *simBroker) markLost(id string) {
 // published is not in the broker, and the broker did not lose it: the
 // relay records an event published only after the broker acknowledged it
 // (relayOnce), so a crash, an outage or a refused publish in between
-// leaves it pending, to be published again. Events older than
-// messageRetention are left out: cleanup deletes the broker's copy of one
-// every consumer acked.
+// leaves it pending, to be published again. Only events in flight (not
+// delivered yet, and published within messageRetention): cleanup deletes
+// the broker's copy of one every consumer acked a week ago, and a relay
+// paused a week between the publish and its record makes an event whose
+// record is a week newer than the broker's copy.
 func (s *simulation) checkPublishedInBroker(ctx context.Context) error {
 	b, ok := s.app.broker.(*simBroker)
 	if !ok {
@@ -465,7 +467,7 @@ func (s *simulation) checkPublishedInBroker(ctx context.Context) error {
 	}
 	rows, err := s.direct.QueryContext(ctx, `
 		SELECT e.event_id FROM outbox_events e
-		WHERE e.status = 'published' AND e.published_at > ?
+		WHERE e.status = 'published' AND e.delivered_at IS NULL AND e.published_at > ?
 		  AND NOT EXISTS (SELECT 1 FROM broker_messages m WHERE m.message_id = e.event_id)`,
 		formatTime(s.clock.now().Add(-messageRetention)))
 	if err != nil {
