@@ -1,11 +1,13 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -710,6 +712,38 @@ func stopNode(tb testing.TB, node *natsNode) {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { process.Signal(syscall.SIGCONT) })
+	waitStopped(tb, process.Pid)
+}
+
+// waitStopped waits until every thread of process pid is stopped: kill
+// returns before a thread running on another core has taken the signal,
+// and meanwhile the server still answers (a publish right after SIGSTOP
+// was acknowledged). Where there is no /proc, it waits a little instead.
+func waitStopped(tb testing.TB, pid int) {
+	tb.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		stats, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+		if len(stats) == 0 {
+			time.Sleep(100 * time.Millisecond)
+			return
+		}
+		stopped := true
+		for _, path := range stats {
+			stat, err := os.ReadFile(path)
+			// The state follows the command name, which is in parentheses.
+			if i := bytes.LastIndexByte(stat, ')'); err == nil && i+2 < len(stat) && stat[i+2] != 'T' && stat[i+2] != 't' {
+				stopped = false
+			}
+		}
+		if stopped {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("process %d has not stopped 5s after SIGSTOP", pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 func TestNATSStalledServer(t *testing.T) {
