@@ -1512,6 +1512,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	// is answered "duplicate".)
 	if definitive(answer) && req.kind != "webhook" {
 		for _, earlier := range req.answers[:len(req.answers)-1] {
+			if freedSince(req, earlier) {
+				continue
+			}
 			if definitive(earlier) && earlier.body != answer.body && earlier.lifeStart.Equal(answer.lifeStart) &&
 				answer.at.Before(earlier.lifeStart.Add(idempotencyKeyTTL)) {
 				return s.fail("%s key %s of %s answered differently within a day:\n  %d %s\n  %d %s",
@@ -1580,6 +1583,33 @@ func definitive(answer simAnswer) bool {
 	}
 	kind := problemType(orderField([]byte(answer.body), "type"))
 	return answer.status != http.StatusConflict || (kind != problemKeyInProgress && kind != problemPaymentPending)
+}
+
+// freedSince reports whether earlier, an answer req got, was a refusal of
+// its key as reused by another request of its client (whose answer the
+// key does not store) that has since freed the key: it was refused as too
+// early (409 payment-pending) or failed transiently (503), which leave
+// nothing under the key. The key is then new again, and req may get
+// another answer.
+func freedSince(req *simRequest, earlier simAnswer) bool {
+	if earlier.status != http.StatusUnprocessableEntity || problemType(orderField([]byte(earlier.body), "type")) != problemKeyReused {
+		return false
+	}
+	for _, other := range req.client.requests {
+		if other == req || other.key != req.key {
+			continue
+		}
+		for _, answer := range other.answers {
+			if answer.at.Before(earlier.at) {
+				continue
+			}
+			kind := problemType(orderField([]byte(answer.body), "type"))
+			if answer.status == http.StatusServiceUnavailable || (answer.status == http.StatusConflict && kind == problemPaymentPending) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // lastAnswerUnderKey returns the time of the latest definitive answer that
