@@ -275,6 +275,64 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure a replay the broker loses is published again even when
+	// cleanup deleted another consumer's inbox row of the event meanwhile
+	// (the consumer that gave up waited a week for its fix), and that the
+	// copy is a duplicate there. Replays used to leave such an event
+	// counted as delivered (a copy would have been new to the other
+	// consumer), so nothing published the lost replay again; now the
+	// replay writes the other consumer's row again first.
+	t.Run("ReplayLostAfterCleanupIsRepublished", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broken, applied := true, 0
+		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
+			if broken {
+				return permanent(errors.New("a bug of the analytics release"))
+			}
+			applied++
+			return nil
+		}}
+		if err := env.app.addConsumer(ctx, analytics); err != nil {
+			t.Fatal(err)
+		}
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		env.drain(t)
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = 'analytics' AND status = 'poison'`); got != 1 {
+			t.Fatalf("analytics holds %d poison messages, want its OrderCreated", got)
+		}
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?`, paymentServiceConsumer); got != 0 {
+			t.Fatalf("cleanup kept %d inbox rows of the payment service, want its week-old row deleted", got)
+		}
+		broken = false
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: "analytics", AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.db.ExecContext(ctx, `DELETE FROM broker_deliveries WHERE subscriber = 'analytics'`); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want the replay the broker lost", n, err)
+		}
+		if _, err := env.app.consumeOnce(ctx, analytics, consumeBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		env.drain(t)
+		if applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE status = 'poison'`); got != 0 {
+			t.Fatalf("%d poison messages after the copy, want none", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
+			t.Fatalf("got %d charges, want 1", got)
+		}
+	})
+
 	// Ensure a replay counts the delivery lag from the replay: an event
 	// first published longer than deliveryLag ago, poison since and
 	// replayed, is in flight, not late. Counted from its first publish,

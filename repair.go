@@ -278,19 +278,25 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			}
 			// The poison record counted as delivered (markDelivered): the
 			// event is in flight again until the consumer applies the
-			// replay, so a replay the broker loses is published again.
-			// Not once cleanup deleted another consumer's inbox row of it:
-			// a copy would then be new to that consumer. It is published
-			// now: the delivery lag (check, the oldest-undelivered metric)
-			// counts from the replay, not from a first publish that may be
-			// days old.
+			// replay, so a replay the broker loses is published again, and
+			// its delivery lag (check, the oldest-undelivered metric)
+			// counts from now. Cleanup may have deleted another
+			// consumer's inbox row of it since (a week on): that consumer
+			// applied it (delivered_at says each had its row), and its row
+			// is written again first, or the reconciler's copies would be
+			// new to it.
 			_, err = tx.ExecContext(ctx, `
-				UPDATE outbox_events SET delivered_at = NULL, published_at = ?
-				WHERE event_id = ? AND NOT EXISTS (
-					SELECT 1 FROM `+subscriptionsTable(a.deliveryTargets)+` s
-					WHERE s.subject = outbox_events.event_type AND s.consumer <> ?
-					  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = outbox_events.event_id))`,
+				INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
+				SELECT s.consumer, e.event_id, 'done', 1, ?
+				FROM outbox_events e JOIN `+subscriptionsTable(a.deliveryTargets)+` s ON s.subject = e.event_type
+				WHERE e.event_id = ? AND e.delivered_at IS NOT NULL AND s.consumer <> ?
+				ON CONFLICT (consumer, message_id) DO NOTHING`,
 				formatTime(now), poison.MessageID, poison.Consumer)
+			if err != nil {
+				return fmt.Errorf("remember %s for the other consumers: %w", terminalSafe(poison.MessageID), err)
+			}
+			_, err = tx.ExecContext(ctx, `UPDATE outbox_events SET delivered_at = NULL, published_at = ? WHERE event_id = ?`,
+				formatTime(now), poison.MessageID)
 			if err != nil {
 				return fmt.Errorf("put %s back in flight: %w", terminalSafe(poison.MessageID), err)
 			}
