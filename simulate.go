@@ -1999,12 +1999,13 @@ again a day later, saga workers frozen past their lease, a second consumer
 of OrderCreated (a ledger) that a lost message may miss while the payment
 service applied it, a poison message replayed before its consumer's ack,
 replays that reach every consumer of the subject (one whose inbox forgot the
-message after a week included), and a broker that delivers a batch out of
-order, loses acks and gets publishes twice. Every answer is judged, as it is
-given, against a reference model of what the request must get; after every
-step the in-flight invariants of check must hold and every event marked
-published must be in the broker; at the end the system is made quiet and the
-full check, each order's fate and every answer the clients got are checked.
+message after a week included) or that the broker loses, and a broker that
+delivers a batch out of order, loses acks and gets publishes twice. Every
+answer is judged, as it is given, against a reference model of what the
+request must get; after every step the in-flight invariants of check must
+hold and every event marked published must be in the broker; at the end the
+system is made quiet and the full check, each order's fate and every answer
+the clients got are checked.
 
 The same seed gives the same run, byte for byte: a failure prints its seed
 and step, and 'retrysafe simulate --seed N --trace' replays it.`,

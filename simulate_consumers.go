@@ -54,6 +54,8 @@ type simConsumersCounts struct {
 	// consumers of its subject (replayToEvery); ReplaysForgotten those of
 	// them that reached a consumer whose inbox no longer had the message.
 	ReplaysToEvery, ReplaysForgotten int
+	// ReplaysLost counts the replays the broker lost (loseTheReplay).
+	ReplaysLost int
 }
 
 // add adds other's counts to c.
@@ -62,14 +64,15 @@ func (c *simConsumersCounts) add(other simConsumersCounts) {
 	c.PoisonReplayedBeforeAck += other.PoisonReplayedBeforeAck
 	c.ReplaysToEvery += other.ReplaysToEvery
 	c.ReplaysForgotten += other.ReplaysForgotten
+	c.ReplaysLost += other.ReplaysLost
 }
 
 // String says how often a run reached the structures, for the summary.
 func (c simConsumersCounts) String() string {
 	return fmt.Sprintf("%d messages lost for one consumer of OrderCreated after the other had applied them, "+
 		"%d poison messages replayed before their ack, %d copies of replays delivered to every consumer of the subject "+
-		"(%d to a consumer whose inbox had forgotten the message)",
-		c.LostAfterOneApplied, c.PoisonReplayedBeforeAck, c.ReplaysToEvery, c.ReplaysForgotten)
+		"(%d to a consumer whose inbox had forgotten the message), %d replays the broker lost",
+		c.LostAfterOneApplied, c.PoisonReplayedBeforeAck, c.ReplaysToEvery, c.ReplaysForgotten, c.ReplaysLost)
 }
 
 // wireLedger creates the ledger's table and wires the ledger into the App,
@@ -356,5 +359,27 @@ func (b *simBroker) replayToEvery(ctx context.Context, tx *sql.Tx, subscriber st
 			b.s.tracef("the replay of %s reaches %s too, whose inbox no longer remembers it", msg.ID, c.name)
 		}
 	}
+	return nil
+}
+
+// loseTheReplay sometimes makes the broker lose, in the replay's tx, the
+// delivery to subscriber that an operator's replay just queued: a broker
+// loses what it acknowledged, a replay as well as a first publish. The
+// replay puts the event back in flight, so the reconciler publishes it
+// again once the delivery bound has passed; a replay that left it counted
+// as delivered would never reach subscriber.
+func (s *simulation) loseTheReplay(ctx context.Context, tx *sql.Tx, subscriber string, msg message) error {
+	if s.quiescing || !s.chance(0.25) {
+		return nil
+	}
+	_, err := tx.ExecContext(ctx, `
+		DELETE FROM broker_deliveries
+		WHERE subscriber = ? AND message_seq = (SELECT seq FROM broker_messages WHERE message_id = ?)`,
+		subscriber, msg.ID)
+	if err != nil {
+		return fmt.Errorf("lose the replay of %s: %w", msg.ID, err)
+	}
+	s.report.Counts.ReplaysLost++
+	s.tracef("the broker loses the replay of %s to %s", msg.ID, subscriber)
 	return nil
 }

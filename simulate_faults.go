@@ -528,9 +528,10 @@ func (b *simBroker) nak(ctx context.Context, d delivery, delay time.Duration) er
 // the repair read (the outbox's), as JetStream's replay publishes a new
 // message (natsBroker.replay). The embedded broker, which loses nothing,
 // refuses a replay it holds no copy of; the simulated one stands for
-// JetStream, which loses messages and replays them all the same. And half
-// the time, as JetStream's new message does, the replay reaches every
-// consumer of the subject, not only subscriber (replayToEvery).
+// JetStream, which loses messages and replays them all the same. It may
+// lose the replay too (loseTheReplay). And half the time, as JetStream's
+// new message does, the replay reaches every consumer of the subject, not
+// only subscriber (replayToEvery).
 func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, msg message, replayID string) error {
 	if b.lost[msg.ID] {
 		_, err := tx.ExecContext(ctx, `
@@ -542,6 +543,9 @@ func (b *simBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, m
 		}
 	}
 	if err := b.messageBroker.replay(ctx, tx, subscriber, msg, replayID); err != nil {
+		return err
+	}
+	if err := b.s.loseTheReplay(ctx, tx, subscriber, msg); err != nil {
 		return err
 	}
 	if b.s.chance(0.5) {

@@ -106,6 +106,9 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysForgotten == 0 {
 		t.Errorf("in %d seeds no replay reached a consumer whose inbox had forgotten the message", seeds)
 	}
+	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysLost == 0 {
+		t.Errorf("in %d seeds the broker lost no replay", seeds)
+	}
 }
 
 // Ensure the seeds that once failed on a fault of the simulator itself
