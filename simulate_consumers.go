@@ -379,6 +379,11 @@ func (s *simulation) loseTheReplay(ctx context.Context, tx *sql.Tx, subscriber s
 	if err != nil {
 		return fmt.Errorf("lose the replay of %s: %w", msg.ID, err)
 	}
+	if b, ok := s.app.broker.(*simBroker); ok {
+		// Lost, cleanup may delete the broker's copy once no delivery of
+		// it is left: the reconciler publishes it again from the outbox.
+		b.markLost(msg.ID)
+	}
 	s.report.Counts.ReplaysLost++
 	s.tracef("the broker loses the replay of %s to %s", msg.ID, subscriber)
 	return nil
