@@ -408,6 +408,86 @@ func mutations() []mutation {
 				{"refund.go", "\t\tfinished = nil // withTx may run this again\n\t\tif err := holdsLease(ctx, tx, req, lease); err != nil {\n\t\t\treturn err\n\t\t}\n\t\tnow := a.now()", "\t\tfinished = nil // withTx may run this again\n\t\tnow := a.now()"},
 			},
 		},
+		{
+			name:    "IdemReplaySkipsRequestCheck",
+			catcher: "TestIdempotency/KeyReusedWithAnotherBodyIsRejected",
+			fault:   "review: a settled key's replay no longer checks that the request is the one the key made; a key reused with another body gets the first answer instead of 422",
+			edits: []mutationEdit{
+				{"idem.go", "\t}\n\tif err := checkSameRequest(key, req); err != nil {\n\t\treturn apiResponse{}, err\n\t}\n\treturn key.response(), nil", "\t}\n\treturn key.response(), nil"},
+			},
+		},
+		{
+			name:    "ReconcilerCopyUnderNewID",
+			catcher: "TestDelivery/MessageTheBrokerLostIsRepublishedAndAppliedOnce",
+			fault:   "review: the reconciler's copy of a lost message carries a new message id, so no inbox recognises it: applied twice, never counted delivered",
+			edits: []mutationEdit{
+				{"deliver.go", "\t\t// claim's own (see message.PublishID).\n\t\tmsgs[i] = message{ID: event.EventID, Subject: event.EventType, Payload: event.Payload, Trace: event.Trace,\n\t\t\tPublishID: fmt.Sprintf(\"%s/republish-%d\", event.EventID, event.LeaseToken)}", "\t\t// claim's own (see message.PublishID).\n\t\tmsgs[i] = message{ID: fmt.Sprintf(\"%s/republish-%d\", event.EventID, event.LeaseToken), Subject: event.EventType, Payload: event.Payload, Trace: event.Trace,\n\t\t\tPublishID: fmt.Sprintf(\"%s/republish-%d\", event.EventID, event.LeaseToken)}"},
+			},
+		},
+		{
+			name:    "InboxUpsertAppliesRedelivery",
+			catcher: "TestInbox/RedeliveryIsSkipped",
+			fault:   "review: the inbox row's insert updates the row on conflict instead of doing nothing, so every redelivery counts as new and is applied again",
+			edits: []mutationEdit{
+				{"inbox.go", "\t\tVALUES (?, ?, 'done', ?, ?)\n\t\tON CONFLICT (consumer, message_id) DO NOTHING`,\n\t\tconsumerName, messageID, deliveryCount, formatTime(now))", "\t\tVALUES (?, ?, 'done', ?, ?)\n\t\tON CONFLICT (consumer, message_id) DO UPDATE SET delivery_count = excluded.delivery_count`,\n\t\tconsumerName, messageID, deliveryCount, formatTime(now))"},
+			},
+		},
+		{
+			name:    "ForwardSagaParkedAfterRetries",
+			catcher: "TestSagaDecisions/RetryAfter",
+			fault:   "review: a saga going forward is parked as compensation_failed after the compensation's retry limit, not only a compensating one: an order stuck after a few transient failures",
+			edits: []mutationEdit{
+				{"saga.go", "\tattempts := saga.Attempts + 1\n\tif saga.Status == sagaCompensating && attempts >= maxCompensationAttempts {\n\t\treturn sagaCompensationFailed, attempts", "\tattempts := saga.Attempts + 1\n\tif attempts >= maxCompensationAttempts {\n\t\treturn sagaCompensationFailed, attempts"},
+			},
+		},
+		{
+			name:    "SettleStatusesSwapped",
+			catcher: "TestSaga/PaidOrderIsCharged",
+			fault:   "review: settleReservations swaps the new and the old status: no hold is ever sold or released",
+			edits: []mutationEdit{
+				{"stock.go", "\t\tWHERE order_id = ? AND status = ?\n\t\tRETURNING sku, qty`, to, formatTime(now), orderID, stockReserved)\n\tif err != nil {", "\t\tWHERE order_id = ? AND status = ?\n\t\tRETURNING sku, qty`, stockReserved, formatTime(now), orderID, to)\n\tif err != nil {"},
+			},
+		},
+		{
+			name:    "RefundAsksForWholeCharge",
+			catcher: "TestCrashAtEveryFaultPoint/idem.after_key_claim",
+			fault:   "review: the processor is asked to refund the order's whole amount, not the refund's: a partial refund moves the whole charge back",
+			edits: []mutationEdit{
+				{"refund.go", "\n\tprocessorRefundID, err := a.processor.refund(ctx, \"refund:\"+refundID, order.ChargeID.String, amount)\n\tswitch {", "\n\tprocessorRefundID, err := a.processor.refund(ctx, \"refund:\"+refundID, order.ChargeID.String, order.AmountCents)\n\tswitch {"},
+			},
+		},
+		{
+			name:    "PendingRefundFoundByKeyOnly",
+			catcher: "TestHTTPRefundKeyExpiry/ExpiredKeyReusedIsRefusedNot500",
+			fault:   "review: the pending refund is looked up by its key alone, not its order: the same key string on another order settles the wrong refund",
+			edits: []mutationEdit{
+				{"refund.go", "\terr := a.db.QueryRowContext(ctx, `\n\t\tSELECT refund_id, amount_cents FROM refunds WHERE order_id = ? AND idempotency_key = ?`,\n\t\torderID, req.IdempotencyKey).Scan(&refundID, &amount)\n\tif err != nil {", "\terr := a.db.QueryRowContext(ctx, `\n\t\tSELECT refund_id, amount_cents FROM refunds WHERE idempotency_key = ?`,\n\t\treq.IdempotencyKey).Scan(&refundID, &amount)\n\tif err != nil {"},
+			},
+		},
+		{
+			name:    "WebhookRefundUnderChargeID",
+			catcher: "TestCrashAtEveryFaultPoint/idem.after_key_claim",
+			fault:   "review: a processor-announced refund is recorded under the charge id, not its refund id: announced again, it is counted twice",
+			edits: []mutationEdit{
+				{"webhook.go", "\t\tVALUES (?, ?, ?, 'succeeded', ?, 'webhook', ?, ?)`,\n\t\ta.newID(\"rf\"), order.OrderID, amount, data.RefundID, formatTime(now), formatTime(now))\n\tif err != nil {", "\t\tVALUES (?, ?, ?, 'succeeded', ?, 'webhook', ?, ?)`,\n\t\ta.newID(\"rf\"), order.OrderID, amount, data.ChargeID, formatTime(now), formatTime(now))\n\tif err != nil {"},
+			},
+		},
+		{
+			name:    "CleanupIgnoresPendingDelivery",
+			catcher: "TestCleanupKeepsTheInboxRowOfAPendingDelivery",
+			fault:   "review: cleanup deletes a week-old inbox row while the broker still holds an unacked delivery of it: the redelivery is applied again",
+			edits: []mutationEdit{
+				{"cleanup.go", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  AND NOT EXISTS (\n\t\t\t    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq\n\t\t\t    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')\n\t\t\t  -- Nor while its event is not delivered to every consumer: the", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  -- Nor while its event is not delivered to every consumer: the"},
+			},
+		},
+		{
+			name:    "RefundSettleUnfenced",
+			catcher: "TestPauseAtEveryFaultPoint/refund.after_started/TakenOver/pass1",
+			fault:   "review: a refund's processor success is recorded without checking the request still holds the key: a request paused past its lease settles over the one that took it over",
+			edits: []mutationEdit{
+				{"refund.go", "\terr = withTx(ctx, a.db, func(tx *sql.Tx) error {\n\t\tif err := holdsLease(ctx, tx, req, lease); err != nil {\n\t\t\treturn err\n\t\t}\n\t\tnow := a.now()", "\terr = withTx(ctx, a.db, func(tx *sql.Tx) error {\n\t\tnow := a.now()"},
+			},
+		},
 	}
 }
 
