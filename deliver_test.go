@@ -239,24 +239,8 @@ func TestDelivery(t *testing.T) {
 	t.Run("ReplayTheBrokerLostIsRepublished", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
-		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
-			t.Fatal(err)
-		}
-		fetched, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
-		if err != nil || len(fetched) != 1 {
-			t.Fatalf("fetched %v, %v", fetched, err)
-		}
-		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
-			paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
-			t.Fatal(err)
-		}
-		if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
-			t.Fatal(err)
-		}
-		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_id = ? AND delivered_at IS NOT NULL`, fetched[0].ID); got != 1 {
+		eventID := poisonForPaymentService(t, env)
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_id = ? AND delivered_at IS NOT NULL`, eventID); got != 1 {
 			t.Fatalf("the poison record marked %d events delivered, want 1", got)
 		}
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
@@ -340,23 +324,7 @@ func TestDelivery(t *testing.T) {
 	t.Run("ReplayOfAnOldEventIsInFlightNotLate", func(t *testing.T) {
 		env := MustOpenApp(t)
 		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
-		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
-			t.Fatal(err)
-		}
-		fetched, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
-		if err != nil || len(fetched) != 1 {
-			t.Fatalf("fetched %v, %v", fetched, err)
-		}
-		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
-			paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
-			t.Fatal(err)
-		}
-		if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
-			t.Fatal(err)
-		}
+		poisonForPaymentService(t, env)
 		env.clock.advance(deliveryLag + time.Minute)
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
 			t.Fatal(err)
@@ -489,6 +457,33 @@ func TestDelivery(t *testing.T) {
 		env.drain(t)
 		mustAudit(t, env, true)
 	})
+}
+
+// poisonForPaymentService relays the pending OrderCreated, records it
+// poison for the payment service (as its release with a bug would), acks
+// the delivery and lets the reconciler sweep, which counts the poison
+// record as delivered. It returns the event's id.
+func poisonForPaymentService(t *testing.T, env *testEnv) string {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	fetched, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
+	if err != nil || len(fetched) != 1 {
+		t.Fatalf("fetched %v, %v", fetched, err)
+	}
+	if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
+		paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	return fetched[0].ID
 }
 
 // subscribeAnalytics adds a second consumer of OrderCreated, as an
