@@ -1,32 +1,59 @@
 #!/usr/bin/env bash
 # One side-by-side run for BENCHMARKS.md: the peers (the article's Python
-# sample and River on SQLite), then retrysafe's benchmarks for the same
-# work, on one machine, one after the other, with nothing else running.
+# sample and River on SQLite), what the driver allows, then retrysafe's
+# benchmarks for the same work, on one machine, one after the other, with
+# nothing else running.
 #
-#   benchmarks/side-by-side.sh PEERS_DIR
+#   benchmarks/side-by-side.sh PEERS_DIR [BEFORE_DIR]
 #
-# PEERS_DIR holds the peers, their run.sh and sqlite-ceiling. With RETRYSAFE_TEST_POSTGRES
-# and RETRYSAFE_TEST_NATS set, the end-to-end benchmark runs on PostgreSQL
-# + NATS too. Output goes to benchmarks/side-by-side.txt.
+# PEERS_DIR holds the peers, their run.sh and sqlite-ceiling. BEFORE_DIR,
+# if given, is another checkout of retrysafe (say, `git worktree add
+# ../before COMMIT`): each group of benchmarks then runs there and here,
+# one right after the other, so before and after come from one run. With
+# RETRYSAFE_TEST_POSTGRES and RETRYSAFE_TEST_NATS set, the end-to-end
+# benchmark runs on PostgreSQL + NATS too. Output goes to
+# benchmarks/side-by-side.txt.
 set -euo pipefail
-peers=${1:?usage: benchmarks/side-by-side.sh PEERS_DIR}
+peers=${1:?usage: benchmarks/side-by-side.sh PEERS_DIR [BEFORE_DIR]}
 peers=$(cd "$peers" && pwd)
+before=${2:-}
+if [ -n "$before" ]; then
+	before=$(cd "$before" && pwd)
+fi
 cd "$(dirname "$0")/.."
+here=$(pwd)
 out=benchmarks/side-by-side.txt
+
+# trees prints the checkouts to run, before first, each with its label.
+trees() {
+	if [ -n "$before" ]; then
+		echo "$before before $(git -C "$before" rev-parse --short HEAD)"
+	fi
+	echo "$here after $(git rev-parse --short HEAD)"
+}
+
+# each runs its arguments as a go test command in every checkout.
+each() {
+	local group=$1
+	shift
+	trees | while read -r dir label commit; do
+		echo "## retrysafe $label ($commit), $group"
+		(cd "$dir" && "$@")
+	done
+}
+
 {
 	echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ), $(go version), $(nproc) CPUs"
 	echo "## peers"
 	"$peers/run.sh" 3000 2>&1 | grep -v '^go: downloading'
 	echo "## what the driver allows (sqlite-ceiling)"
 	(cd "$peers/sqlite-ceiling" && go run .) 2>&1 | grep -v '^go: downloading'
-	echo "## retrysafe, SQLite"
-	RETRYSAFE_TEST_POSTGRES= RETRYSAFE_TEST_NATS= go test -run '^$' \
+	each SQLite env RETRYSAFE_TEST_POSTGRES= RETRYSAFE_TEST_NATS= go test -run '^$' \
 		-bench 'CreateOrder/(normal|full)/(atomic|bare)$|^BenchmarkReplay$|ReplayHTTP|BenchmarkHTTP/' \
 		-benchtime 3000x -count 3 -timeout 30m .
-	RETRYSAFE_TEST_POSTGRES= RETRYSAFE_TEST_NATS= go test -run '^$' -bench 'EndToEnd' \
+	each "SQLite, end to end" env RETRYSAFE_TEST_POSTGRES= RETRYSAFE_TEST_NATS= go test -run '^$' -bench 'EndToEnd' \
 		-benchtime 2000x -count 3 -timeout 30m .
 	if [ -n "${RETRYSAFE_TEST_POSTGRES:-}" ]; then
-		echo "## retrysafe, PostgreSQL${RETRYSAFE_TEST_NATS:+ + NATS}"
-		go test -run '^$' -bench 'EndToEnd' -benchtime 1000x -count 1 -timeout 30m .
+		each "PostgreSQL${RETRYSAFE_TEST_NATS:+ + NATS}" go test -run '^$' -bench 'EndToEnd' -benchtime 1000x -count 1 -timeout 30m .
 	fi
 } 2>&1 | tee "$out"
