@@ -29,6 +29,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -372,8 +373,13 @@ func (a *App) observeFinalStates(ctx context.Context, c consumer, deliveries []d
 const (
 	// outbox_events_pending, which the relay's claim reads too.
 	scrapeOutboxPending = `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`
-	// outbox_events_pending_since: the oldest is the index's first entry.
-	scrapeOutboxOldestPending = `SELECT MIN(created_at) FROM outbox_events WHERE status = 'pending'`
+	// outbox_events_pending's first entry: the pending event written first.
+	// By seq, not by created_at: an index of created_at would be one more
+	// b-tree page that every create writes and flushes (schema.sql,
+	// version 9). The two orders differ only between events written at
+	// the same moment by different transactions or clocks.
+	scrapeOutboxOldestPending = `SELECT created_at FROM outbox_events
+		WHERE status = 'pending' ORDER BY seq LIMIT 1`
 	// outbox_events_failed.
 	scrapeOutboxFailed = `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`
 	// outbox_events_undelivered, which the reconciler reads too: the
@@ -459,8 +465,9 @@ func (c *dbCollector) collectOutbox(ctx context.Context, ch chan<- prometheus.Me
 	if err := c.db.QueryRowContext(ctx, scrapeOutboxPending).Scan(&pending); err != nil {
 		return fmt.Errorf("count pending outbox events: %w", err)
 	}
-	var oldest sql.NullString
-	if err := c.db.QueryRowContext(ctx, scrapeOutboxOldestPending).Scan(&oldest); err != nil {
+	var oldest sql.NullString // none pending: no row, and an age of 0
+	err := c.db.QueryRowContext(ctx, scrapeOutboxOldestPending).Scan(&oldest)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return fmt.Errorf("read oldest pending outbox event: %w", err)
 	}
 	if err := c.db.QueryRowContext(ctx, scrapeOutboxFailed).Scan(&failed); err != nil {

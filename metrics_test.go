@@ -400,7 +400,7 @@ func TestMetrics(t *testing.T) {
 func TestMetricsScrapeReadsOnlyLiveRows(t *testing.T) {
 	env := MustOpenApp(t)
 	fillHistory(t, env.app.db, 1000)
-	live := []string{"outbox_events_unpublished", "outbox_events_pending", "outbox_events_pending_since", "outbox_events_failed",
+	live := []string{"outbox_events_unpublished", "outbox_events_pending", "outbox_events_failed",
 		"outbox_events_undelivered", "saga_instances_runnable", "saga_instances_compensation_failed"}
 	readsLiveIndex := func(line string) bool {
 		for _, index := range live {

@@ -377,3 +377,9 @@ CREATE INDEX IF NOT EXISTS inbox_messages_poison ON inbox_messages (message_id)
 
 -- The OrderCreated that started each saga: see version 8 of schema.sql.
 ALTER TABLE saga_instances ADD COLUMN started_by TEXT;
+
+-- version 9
+
+-- The oldest pending event is read from outbox_events_pending: see
+-- version 9 of schema.sql.
+DROP INDEX IF EXISTS outbox_events_pending_since;
