@@ -459,11 +459,26 @@ func TestDelivery(t *testing.T) {
 	})
 }
 
-// poisonForPaymentService relays the pending OrderCreated, records it
-// poison for the payment service (as its release with a bug would), acks
-// the delivery and lets the reconciler sweep, which counts the poison
-// record as delivered. It returns the event's id.
+// poisonForPaymentService does what fetchedAsPoison does, then acks the
+// delivery and lets the reconciler sweep, which counts the poison record as
+// delivered. It returns the event's id.
 func poisonForPaymentService(t *testing.T, env *testEnv) string {
+	t.Helper()
+	ctx := context.Background()
+	fetched := fetchedAsPoison(t, env)
+	if err := env.app.broker.ack(ctx, fetched); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	return fetched.ID
+}
+
+// fetchedAsPoison relays the pending OrderCreated, fetches it for the
+// payment service and records it poison there (as its release with a bug
+// would), and returns the delivery, not acked.
+func fetchedAsPoison(t *testing.T, env *testEnv) delivery {
 	t.Helper()
 	ctx := context.Background()
 	if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
@@ -477,13 +492,7 @@ func poisonForPaymentService(t *testing.T, env *testEnv) string {
 		paymentServiceConsumer, fetched[0].ID, formatTime(env.clock.now())); err != nil {
 		t.Fatal(err)
 	}
-	if err := env.app.broker.ack(ctx, fetched[0]); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
-		t.Fatal(err)
-	}
-	return fetched[0].ID
+	return fetched[0]
 }
 
 // subscribeAnalytics adds a second consumer of OrderCreated, as an

@@ -463,21 +463,11 @@ func TestEmbeddedBroker(t *testing.T) {
 	t.Run("StaleHolderCannotAckAReplayAway", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
-		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
-			t.Fatal(err)
-		}
-		stale, err := env.app.broker.fetch(ctx, paymentServiceConsumer, 1)
-		if err != nil || len(stale) != 1 {
-			t.Fatalf("fetched %v, %v", stale, err)
-		}
-		if _, err := env.app.db.Exec(`INSERT INTO inbox_messages (consumer, message_id, status, error, delivery_count, processed_at) VALUES (?, ?, 'poison', 'payment service bug', 1, ?)`,
-			paymentServiceConsumer, stale[0].ID, formatTime(env.clock.now())); err != nil {
-			t.Fatal(err)
-		}
+		stale := fetchedAsPoison(t, env)
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
 			t.Fatal(err)
 		}
-		if err := env.app.broker.ack(ctx, stale[0]); !errors.Is(err, errDeliveryLeaseLost) {
+		if err := env.app.broker.ack(ctx, stale); !errors.Is(err, errDeliveryLeaseLost) {
 			t.Fatalf("the stale ack after the replay got %v, want errDeliveryLeaseLost", err)
 		}
 		env.drain(t)
