@@ -627,9 +627,12 @@ func (s *server) readConsole(ctx context.Context, now time.Time, page *consolePa
 	db := s.app.readDB
 	var oldest string
 	// Pending includes the events held back behind a failed one of
-	// their order: they are the backlog too.
+	// their order: they are the backlog too. The oldest is the first
+	// written, as /metrics reads it (scrapeOutboxOldestPending).
 	err := db.QueryRowContext(ctx, `
-		SELECT COUNT(*), COALESCE(MIN(created_at), '') FROM outbox_events WHERE status = 'pending'`).Scan(&page.Backlog, &oldest)
+		SELECT COUNT(*), COALESCE((SELECT created_at FROM outbox_events
+			WHERE status = 'pending' ORDER BY seq LIMIT 1), '')
+		FROM outbox_events WHERE status = 'pending'`).Scan(&page.Backlog, &oldest)
 	if err != nil {
 		return fmt.Errorf("read outbox backlog: %w", err)
 	}

@@ -123,6 +123,23 @@ func tableColumns(tb testing.TB, db *sql.DB, query string) []string {
 	return columns
 }
 
+// Ensure both schema files have the same versions. A header mistyped in one
+// file leaves its change inside the version before it, which a database
+// already at that version never runs: it would keep what the change drops.
+func TestSchemaFilesHaveTheSameVersions(t *testing.T) {
+	sqliteVersions, err := schemaMigrations(schemaSQL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	postgresVersions, err := schemaMigrations(schemaPostgresSQL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(sqliteVersions) != len(postgresVersions) {
+		t.Fatalf("schema.sql has %d versions, schema_postgres.sql %d", len(sqliteVersions), len(postgresVersions))
+	}
+}
+
 // Ensure schema.sql and schema_postgres.sql describe the same tables and
 // columns: a migration added to one file and forgotten in the other fails
 // here.

@@ -145,8 +145,16 @@ func TestMetrics(t *testing.T) {
 		env.app.enableMetrics()
 		ts := newTestServer(t, env)
 		ctx := context.Background()
+		// Nothing pending yet: no oldest event, an age of 0.
+		checkMetrics(t, gather(t, env.app.metrics), []metricCheck{
+			{"retrysafe_outbox_pending_events", nil, 0},
+			{"retrysafe_outbox_oldest_pending_age_seconds", nil, 0},
+		})
 		post := func(key, paymentMethod string) response {
 			t.Helper()
+			// A second apart, so that the oldest pending event is not
+			// also the newest.
+			env.clock.advance(time.Second)
 			created := call(t, ts, "POST", "/api/orders", keyUser42, key, orderBody(5000, "sku-1", 1, paymentMethod))
 			if created.Status != 201 {
 				t.Fatalf("create %s: %d %s", key, created.Status, created.Body)
