@@ -307,8 +307,10 @@ func schemaMigrations(schemaSQL string) ([]string, error) {
 
 // migrate applies the schema sections newer than the database's version.
 // Each runs in its own transaction with the version bump, so a crash leaves
-// the database at a whole version, and two processes opening a new database
-// at once do not both apply it.
+// the database at a whole version, and two processes opening a database at
+// once do not both apply a version: the second waits for the first's lock
+// (d.prepareMigration), then reads the version it committed
+// (d.migrateTxOptions) and skips it.
 func migrate(ctx context.Context, db *sql.DB) error {
 	d := dialectOf(db)
 	migrations, err := schemaMigrations(d.schema)
@@ -316,7 +318,7 @@ func migrate(ctx context.Context, db *sql.DB) error {
 		return err
 	}
 	for version := 1; version <= len(migrations); version++ {
-		err := withTx(ctx, db, func(tx *sql.Tx) error {
+		err := runTx(ctx, db, d, d.migrateTxOptions, func(tx *sql.Tx) error {
 			for _, statement := range d.prepareMigration {
 				if _, err := tx.ExecContext(ctx, statement); err != nil {
 					return fmt.Errorf("prepare migration: %w", err)

@@ -96,6 +96,16 @@ type dialect struct {
 	// race), then create the version table if needed. SQLite: nothing;
 	// BEGIN IMMEDIATE already serializes them.
 	prepareMigration []string
+	// migrateTxOptions begin each migration's transaction.
+	//
+	// On PostgreSQL they run READ COMMITTED, so that the version read after
+	// the advisory lock is granted sees what the process that held the lock
+	// committed. Under SERIALIZABLE (or REPEATABLE READ) the transaction's
+	// snapshot is taken when its first statement starts, which is the lock
+	// itself, before it is granted: a process that waited there read the
+	// version as it was and applied the same version again ("type utc_time
+	// already exists"), and failed to start.
+	migrateTxOptions *sql.TxOptions
 	// setVersion records that version has been applied.
 	setVersion func(version int) string
 
@@ -119,18 +129,19 @@ type dialect struct {
 // sqliteDialect is SQLite, the default.
 func sqliteDialect() *dialect {
 	return &dialect{
-		name:            "sqlite",
-		schema:          schemaSQL,
-		txOptions:       nil,
-		claimTxOptions:  nil,
-		fencedTxOptions: nil,
-		keyTxOptions:    nil,
-		lockKey:         "",
-		retryTx:         func(error) bool { return false },
-		skipLocked:      "",
-		readVersion:     `PRAGMA user_version`,
-		setVersion:      func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
-		withinADay:      func(a, b string) string { return fmt.Sprintf(`abs(julianday(%s) - julianday(%s)) < 1.0`, a, b) },
+		name:             "sqlite",
+		schema:           schemaSQL,
+		txOptions:        nil,
+		claimTxOptions:   nil,
+		fencedTxOptions:  nil,
+		keyTxOptions:     nil,
+		lockKey:          "",
+		retryTx:          func(error) bool { return false },
+		skipLocked:       "",
+		readVersion:      `PRAGMA user_version`,
+		migrateTxOptions: nil,
+		setVersion:       func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
+		withinADay:       func(a, b string) string { return fmt.Sprintf(`abs(julianday(%s) - julianday(%s)) < 1.0`, a, b) },
 		jsonField: func(column, field string) string {
 			return fmt.Sprintf(`json_extract(CAST(%s AS TEXT), '$.%s')`, column, field)
 		},
@@ -157,8 +168,9 @@ func postgresDialect() *dialect {
 			code := postgresCode(err)
 			return code == pgSerializationFailure || code == pgDeadlockDetected
 		},
-		skipLocked:  "FOR UPDATE SKIP LOCKED",
-		readVersion: `SELECT COALESCE(MAX(version), 0) FROM schema_migrations`,
+		skipLocked:       "FOR UPDATE SKIP LOCKED",
+		readVersion:      `SELECT COALESCE(MAX(version), 0) FROM schema_migrations`,
+		migrateTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
 		prepareMigration: []string{
 			fmt.Sprintf(`SELECT pg_advisory_xact_lock(%d)`, postgresMigrationLock),
 			`CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())`,
