@@ -75,9 +75,16 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	if err != nil {
 		return result, fmt.Errorf("delete delivered messages: %w", err)
 	}
+	// Each DELETE repeats, on the row it deletes, the conditions on that
+	// row: on PostgreSQL a DELETE that waited for another transaction's
+	// lock re-checks only those on the row's latest version (the subquery
+	// keeps what it read when the statement started). An inbox replay
+	// that makes a week-old row's event deliverable again moves the row's
+	// processed_at to now (replayInboxMessages), and the re-check keeps it.
 	result.InboxMessages, err = a.deleteInBatches(ctx, `
-		DELETE FROM inbox_messages WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?
+		DELETE FROM inbox_messages
+		WHERE status = 'done' AND processed_at <= ?1 AND (consumer, message_id) IN (
+			SELECT consumer, message_id FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?1
 			  -- Never while the embedded broker still delivers the message
 			  -- to that consumer (its ack was lost): the row is what makes
 			  -- the redelivery a duplicate.
@@ -87,7 +94,7 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 			  -- Nor while its event is not delivered to every consumer: the
 			  -- reconciler's copy must be a duplicate to this one.
 			  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = i.message_id AND e.delivered_at IS NULL)
-			LIMIT ?)`, retainedSince)
+			LIMIT ?2)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete old inbox rows: %w", err)
 	}

@@ -312,11 +312,17 @@ func schemaMigrations(schemaSQL string) ([]string, error) {
 // (d.prepareMigration), then reads the version it committed
 // (d.migrateTxOptions) and skips it.
 func migrate(ctx context.Context, db *sql.DB) error {
-	d := dialectOf(db)
-	migrations, err := schemaMigrations(d.schema)
+	migrations, err := schemaMigrations(dialectOf(db).schema)
 	if err != nil {
 		return err
 	}
+	return applyMigrations(ctx, db, migrations)
+}
+
+// applyMigrations is migrate with the schema's sections given:
+// migrations[v-1] is version v.
+func applyMigrations(ctx context.Context, db *sql.DB, migrations []string) error {
+	d := dialectOf(db)
 	for version := 1; version <= len(migrations); version++ {
 		err := runTx(ctx, db, d, d.migrateTxOptions, func(tx *sql.Tx) error {
 			for _, statement := range d.prepareMigration {

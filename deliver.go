@@ -132,20 +132,51 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 // (the outbox_events_undelivered index), however long the history.
 //
 // It is not fenced, and needs no lease: it writes a fact that the inbox
-// rows, read in the same statement, make true, and writes it only once
-// (delivered_at IS NULL). Two relays marking together mark the same; on
-// PostgreSQL one may wait for the other's row locks, and a deadlock
-// between them is retried (withClaimTx).
+// rows make true, and writes it only once (delivered_at IS NULL). Two
+// relays marking together mark the same.
+//
+// It takes two statements where one would do on SQLite: the first locks
+// the events that look delivered, the second marks those that still are,
+// reading the inbox afresh. On PostgreSQL, under READ COMMITTED, a
+// statement reads every table as of its start but updates the latest
+// version of each row it locks: a single UPDATE that read a poison row
+// while an inbox replay was deleting it, then waited for the replay's lock
+// on the event, marked the replayed event delivered once the replay
+// committed, though no consumer had applied the replay (a lost replay was
+// then never published again). The second statement starts after the
+// locks are granted, so it sees what a replay that held one committed; a
+// replay that comes after the lock waits for it, then fails to serialize
+// and runs again.
 func (a *App) markDelivered(ctx context.Context) error {
 	now := formatTime(a.now())
 	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `
-			UPDATE outbox_events SET delivered_at = ?
-			WHERE seq IN (
-				SELECT e.seq FROM outbox_events e
-				WHERE e.status = 'published' AND e.delivered_at IS NULL
-				  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,
-			now)
+		rows, err := tx.QueryContext(ctx, `
+			SELECT e.seq FROM outbox_events e
+			WHERE e.status = 'published' AND e.delivered_at IS NULL
+			  AND NOT `+undeliveredSQL(a.deliveryTargets)+`
+			LIMIT ? `+skipLocked(a.db),
+			markDeliveredBatch)
+		if err != nil {
+			return err
+		}
+		var seqs []any
+		for rows.Next() {
+			var seq int64
+			if err := rows.Scan(&seq); err != nil {
+				rows.Close()
+				return err
+			}
+			seqs = append(seqs, seq)
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil || len(seqs) == 0 {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, `
+			UPDATE outbox_events AS e SET delivered_at = ?
+			WHERE e.seq IN (`+placeholders(len(seqs))+`) AND e.delivered_at IS NULL
+			  AND NOT `+undeliveredSQL(a.deliveryTargets),
+			append([]any{now}, seqs...)...)
 		return err
 	})
 	if err != nil {
@@ -153,6 +184,10 @@ func (a *App) markDelivered(ctx context.Context) error {
 	}
 	return nil
 }
+
+// markDeliveredBatch bounds how many events one sweep marks delivered: the
+// rest wait for the next sweep, a relay's pass later.
+const markDeliveredBatch = 1000
 
 // claimUndelivered leases to relayID up to limit published events, not
 // delivered, whose last publish is more than leases.deliver ago, and not

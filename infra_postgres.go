@@ -53,13 +53,19 @@ func connectPostgres(ctx context.Context, rawURL string) (*sql.DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL %s: %w", redactURL(rawURL), err)
 	}
+	return connectPostgresWith(ctx, config)
+}
+
+// connectPostgresWith is connectPostgres with a parsed configuration (a
+// test's carries a tracer that pauses its statements).
+func connectPostgresWith(ctx context.Context, config *pgx.ConnConfig) (*sql.DB, error) {
 	db := sql.OpenDB(rebindConnector{stdlib.GetConnector(*config)})
 	db.SetMaxOpenConns(postgresMaxConns)
 	db.SetMaxIdleConns(postgresMaxConns)
 	db.SetConnMaxIdleTime(time.Minute)
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
-		return nil, fmt.Errorf("connect to %s: %w", redactURL(rawURL), err)
+		return nil, fmt.Errorf("connect to %s: %w", redactURL(config.ConnString()), err)
 	}
 	return db, nil
 }

@@ -280,17 +280,22 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			// event is in flight again until the consumer applies the
 			// replay, so a replay the broker loses is published again, and
 			// its delivery lag (check, the oldest-undelivered metric)
-			// counts from now. Cleanup may have deleted another
-			// consumer's inbox row of it since (a week on): that consumer
-			// applied it (delivered_at says each had its row), and its row
-			// is written again first, or the reconciler's copies would be
-			// new to it.
+			// counts from now. The reconciler's copies then reach every
+			// consumer of the subject, so each other consumer's inbox row
+			// must outlive them: cleanup may have deleted one since (a
+			// week on; that consumer applied it, delivered_at says each
+			// had its row), and it is written again; one cleanup would
+			// delete now has its retention counted from the replay. That
+			// is also what stops a cleanup running beside the replay: it
+			// reads the event as still delivered, but it deletes only a
+			// row whose processed_at is old on the row's latest version,
+			// and this update holds the row until the replay commits.
 			_, err = tx.ExecContext(ctx, `
 				INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
 				SELECT s.consumer, e.event_id, 'done', 1, ?
 				FROM outbox_events e JOIN `+subscriptionsTable(a.deliveryTargets)+` s ON s.subject = e.event_type
 				WHERE e.event_id = ? AND e.delivered_at IS NOT NULL AND s.consumer <> ?
-				ON CONFLICT (consumer, message_id) DO NOTHING`,
+				ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = excluded.processed_at`,
 				formatTime(now), poison.MessageID, poison.Consumer)
 			if err != nil {
 				return fmt.Errorf("remember %s for the other consumers: %w", terminalSafe(poison.MessageID), err)
