@@ -81,6 +81,18 @@ func logRepair(ctx context.Context, tx *sql.Tx, repairID, operator string, actio
 	return nil
 }
 
+// checkRepairID returns errRepairNotFound, naming id as what it was given
+// for, if id is text that no row can hold (storableText). Without it such
+// an id reached the repair's query, which PostgreSQL refused: /admin
+// answered 500 and the commands failed with the database's error, where
+// SQLite found nothing.
+func checkRepairID(what, id string) error {
+	if storableText(id) {
+		return nil
+	}
+	return fmt.Errorf("%w: no %s %s: an id is UTF-8 text without NUL", errRepairNotFound, what, terminalSafe(id))
+}
+
 // outboxRetryTarget names what retryOutboxEvents retries: one event, the
 // failed events of one order, or every failed event.
 type outboxRetryTarget struct {
@@ -107,6 +119,12 @@ type failedEvent struct {
 // if there is no such event or order, errRepairRefused if the event, or
 // every event of the order, is not failed (nothing is changed then).
 func (a *App) retryOutboxEvents(ctx context.Context, operator string, target outboxRetryTarget) ([]repairResult, error) {
+	if err := checkRepairID("outbox event", target.EventID); err != nil {
+		return nil, err
+	}
+	if err := checkRepairID("order", target.OrderID); err != nil {
+		return nil, err
+	}
 	var results []repairResult
 	repairID := a.newID("rep")
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -235,6 +253,9 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 	}
 	if _, ok := consumers[target.Consumer]; target.Consumer != "" && !ok {
 		return nil, fmt.Errorf("%w: no consumer %q reads from the broker; the consumers are %s", errRepairNotFound, target.Consumer, strings.Join(names, ", "))
+	}
+	if err := checkRepairID("message", target.MessageID); err != nil {
+		return nil, err
 	}
 	var results []repairResult
 	repairID := a.newID("rep")
@@ -508,6 +529,9 @@ func (b *natsBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, 
 // older claim on the saga finds its token gone (fenceSaga) and writes
 // nothing.
 func (a *App) resumeSaga(ctx context.Context, operator, sagaID string) (repairResult, error) {
+	if err := checkRepairID("saga", sagaID); err != nil {
+		return repairResult{}, err
+	}
 	var result repairResult
 	repairID := a.newID("rep")
 	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {

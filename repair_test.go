@@ -1052,6 +1052,52 @@ func TestAdminAPI(t *testing.T) {
 	})
 }
 
+// Ensure an id that no row can hold (bytes that are not UTF-8, or a NUL)
+// is not found by any repair, the same on every database: through /admin
+// a 404 problem, through the console a page saying nothing was changed
+// (its order form: the 404 page of an unknown order), through the
+// commands an error naming it. PostgreSQL refuses such text in a query:
+// /admin answered 500 and the commands failed with the database's error,
+// where SQLite answered not found.
+func TestRepairIDNotText(t *testing.T) {
+	env := MustOpenApp(t)
+	ts := newAdminTestServer(t, env, testAdminKey)
+	createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+	c := newConsoleClient(ts)
+	c.login(t, testAdminKey, "")
+	before := repairState(t, env)
+	for _, id := range []string{"evt_\xff", "\xc3\x28", "evt_\x00"} {
+		escaped := url.PathEscape(id)
+		for _, path := range []string{
+			"/admin/outbox/" + escaped + "/retry",
+			"/admin/inbox/" + paymentServiceConsumer + "/" + escaped + "/replay",
+			"/admin/inbox/" + escaped + "/evt_1/replay",
+			"/admin/sagas/" + escaped + "/resume",
+		} {
+			mustProblem(t, "POST "+path, adminCall(t, ts, "POST", path, testAdminKey, ""), http.StatusNotFound, problemNotFound)
+		}
+		for _, button := range []consoleButton{retryButton(id), replayButton(paymentServiceConsumer, id), resumeButton(id)} {
+			if page := c.press(t, button); !strings.Contains(page, "Nothing was changed: not found: no ") {
+				t.Fatalf("%s of %q: the page does not say it was not found:\n%s", button.action, id, page)
+			}
+		}
+		if page := c.page(t, "/console?order="+url.QueryEscape(id), http.StatusNotFound); !strings.Contains(page, "There is no order") {
+			t.Fatalf("order %q: the page does not say there is no such order:\n%s", id, page)
+		}
+		for _, args := range [][]string{
+			{"outbox", "retry", id},
+			{"outbox", "retry", "--order", id},
+			{"inbox", "replay", id},
+			{"saga", "resume", id},
+		} {
+			mustRefuseCommand(t, append(args, "--db", env.path, "--operator", "alice"), "not found: no ")
+		}
+		mustRefuseCommand(t, []string{"trace", id, "--db", env.path}, "no order "+terminalSafe(id))
+		mustRefuseCommand(t, []string{"inspect", "--order", id, "--db", env.path}, "no order "+terminalSafe(id))
+	}
+	mustBeUnchanged(t, env, before)
+}
+
 // Ensure every command and flag in docs/operate-and-repair.md's "Repair what was set
 // aside" section exists, and every admin endpoint it lists is routed.
 func TestDocsRepairSection(t *testing.T) {
