@@ -135,8 +135,14 @@ func (s *server) handleProcessorWebhook(w http.ResponseWriter, r *http.Request) 
 		s.writeError(w, r, err)
 		return
 	}
-	if event.ID == "" {
+	switch {
+	case event.ID == "":
 		s.writeError(w, r, invalidField("id", "is required"))
+		return
+	case !storableText(event.ID):
+		// JSON can spell a NUL (\u0000), which PostgreSQL refuses in the
+		// inbox row and in the failure count: a 500 at every delivery.
+		s.writeError(w, r, invalidField("id", "must be text without NUL"))
 		return
 	}
 	result, err := s.app.receiveProcessorEvent(r.Context(), event)
