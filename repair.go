@@ -692,7 +692,9 @@ func listUnfinishedRefunds(ctx context.Context, q queryer, now time.Time, refund
 // after refundLockTimeout (the operator has fixed the cause). Each key is
 // finished as the client's retry would finish it (completeRefund), phase by
 // phase, with the processor's idempotency key: a refund that happened is
-// found, not made again. A key a request holds is left to it.
+// found, not made again. A key a request holds is left to it; one that
+// someone else finished after the list was read is reported as theirs
+// (errRefundFinishedElsewhere), never as finished by this run.
 //
 // Not one transaction: the processor is called between phases. Each key's
 // outcome is logged in its own transaction after it. A key that could not
@@ -720,8 +722,10 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 			result = before + "; finished"
 		case errors.Is(err, errCrash):
 			return results, err
+		case errors.Is(err, errRefundFinishedElsewhere):
+			result = before + "; " + err.Error()
 		case errors.Is(err, errKeyInProgress):
-			result = before + "; a request took it over meanwhile, left to it"
+			result = before + "; taken over meanwhile by someone else (the client's retry, the completer or another refund finish), left to it"
 		case errors.Is(err, errPaymentPending):
 			result = before + "; the order is not paid yet, the key is forgotten for the client's retry"
 		default:
