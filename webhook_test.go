@@ -120,6 +120,31 @@ func requireOrderSound(tb testing.TB, env *testEnv, ts *httptest.Server, apiKey,
 	}
 }
 
+// Ensure a signed timestamp is accepted up to webhookTolerance away from
+// now on either side, the edges included, and refused a second further,
+// in the past (a captured webhook replayed) and in the future (a clock
+// gone wrong, or a signature made to be replayed later).
+func TestVerifyWebhookTolerance(t *testing.T) {
+	secret := []byte(testWebhookSecret)
+	body := chargeRefundedEvent("evt_1", "ch_1", "re_1", 100)
+	now := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		offset time.Duration
+		ok     bool
+	}{
+		{-webhookTolerance - time.Second, false},
+		{-webhookTolerance, true},
+		{0, true},
+		{webhookTolerance, true},
+		{webhookTolerance + time.Second, false},
+	} {
+		err := verifyWebhook(secret, signWebhook(secret, now.Add(tc.offset), body), body, now)
+		if tc.ok != (err == nil) || (err != nil && !errors.Is(err, errBadSignature)) {
+			t.Errorf("signed %s from now: got %v, want accepted %v", tc.offset, err, tc.ok)
+		}
+	}
+}
+
 // Ensure a correctly signed webhook is still only input: its amount is
 // checked against the charge it names, and a refund is counted once
 // however often, and in whatever order, it is announced.
