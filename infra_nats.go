@@ -22,7 +22,8 @@
 //     nats-seq-<stream>-<sequence>, recorded as poison and terminated; the
 //     rest of its batch is handled as usual. So is a message whose id is
 //     not text that PostgreSQL takes (not UTF-8, or holding a NUL; see
-//     storableText), with that id quoted in its error.
+//     storableText), with that id quoted in its error, or is longer than
+//     an inbox keys on (maxMessageIDLength).
 //   - The stream and the consumers are created if missing; the stream with
 //     three replicas when the client knows of three servers or more (a
 //     cluster: --broker nats://a,nats://b,nats://c, or one URL whose server
@@ -392,6 +393,12 @@ func (b *natsBroker) fetchNoWait(consumer jetstream.Consumer, subscriber string,
 			// error, which is text.
 			malformed = permanent(fmt.Errorf("message %d on %s has %s %q, which no inbox can key on: an id is UTF-8 text without NUL",
 				metadata.Sequence.Stream, natsMsg.Subject(), idHeader, id))
+			id = seqID
+		case len(id) > maxMessageIDLength:
+			// Not one of ours either, and PostgreSQL cannot key on it
+			// (maxMessageIDLength): the same stalled batch.
+			malformed = permanent(fmt.Errorf("message %d on %s has a %s of %d bytes, which no inbox can key on: an id is at most %d bytes",
+				metadata.Sequence.Stream, natsMsg.Subject(), idHeader, len(id), maxMessageIDLength))
 			id = seqID
 		}
 		deliveries = append(deliveries, delivery{

@@ -150,6 +150,10 @@ func (s *server) handleProcessorWebhook(w http.ResponseWriter, r *http.Request) 
 		// inbox row and in the failure count: a 500 at every delivery.
 		s.writeError(w, r, invalidField("id", "must be text without NUL"))
 		return
+	case len(event.ID) > maxMessageIDLength:
+		// PostgreSQL could not key the inbox row on it: a 500 again.
+		s.writeError(w, r, invalidField("id", fmt.Sprintf("must be at most %d bytes", maxMessageIDLength)))
+		return
 	}
 	result, err := s.app.receiveProcessorEvent(r.Context(), event)
 	if err != nil {

@@ -461,18 +461,21 @@ func TestHTTPWebhookHostile(t *testing.T) {
 	})
 
 	// Ensure an event whose id holds a NUL, which JSON can spell and
-	// PostgreSQL cannot store, is refused with 400 naming the id, and
+	// PostgreSQL cannot store, or is longer than maxMessageIDLength, which
+	// PostgreSQL cannot key on, is refused with 400 naming the id, and
 	// nothing is stored, on every database. On PostgreSQL its inbox insert
 	// failed: a 500, at every delivery of it; SQLite applied it.
-	t.Run("EventIDWithANULIsRefused", func(t *testing.T) {
+	t.Run("EventIDNoInboxCanKeyOnIsRefused", func(t *testing.T) {
 		env := MustOpenApp(t)
 		ts := newTestServer(t, env)
 		orderID, chargeID := paidOrderOf(t, env, ts, keyUser42, "order-key", 5000)
 		refundID := dashboardRefund(t, env, "dashboard-1", chargeID, 100)
-		body := fmt.Sprintf(`{"id":"evt_\u0000","type":"charge.refunded","data":{"charge_id":%q,"refund_id":%q,"amount_cents":100}}`, chargeID, refundID)
-		got, _ := postSigned(t, env, ts, []byte(body))
-		if got.Status != 400 || problemTypeOf(t, got) != problemValidation || !strings.Contains(got.Body, `"field":"id"`) {
-			t.Fatalf("got %d %s, want 400 %s naming id", got.Status, got.Body, problemValidation)
+		for _, id := range []string{`evt_\u0000`, unkeyableID()} {
+			body := fmt.Sprintf(`{"id":"%s","type":"charge.refunded","data":{"charge_id":%q,"refund_id":%q,"amount_cents":100}}`, id, chargeID, refundID)
+			got, _ := postSigned(t, env, ts, []byte(body))
+			if got.Status != 400 || problemTypeOf(t, got) != problemValidation || !strings.Contains(got.Body, `"field":"id"`) {
+				t.Fatalf("id %.20s...: got %d %s, want 400 %s naming id", id, got.Status, got.Body, problemValidation)
+			}
 		}
 		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?) + (SELECT COUNT(*) FROM inbox_failures) + (SELECT COUNT(*) FROM refunds)`, webhookConsumer); n != 0 {
 			t.Fatalf("stored %d rows", n)
