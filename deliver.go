@@ -205,8 +205,11 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				SELECT e.seq FROM outbox_events e
 				WHERE e.status = 'published' AND e.delivered_at IS NULL
 				  -- Past the bound since the last publish: a consumer that is
-				  -- merely behind gets no copy.
-				  AND COALESCE(e.republished_at, e.published_at) <= ?
+				  -- merely behind gets no copy. The last publish is the
+				  -- later of the relay's or a replay's (published_at) and
+				  -- this reconciler's copy (republished_at): a replay after
+				  -- a copy is the last, and waits its bound too.
+				  AND e.published_at <= ? AND (e.republished_at IS NULL OR e.republished_at <= ?)
 				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
 				  AND `+undeliveredSQL(a.deliveryTargets)+`
 				-- The index's order: ORDER BY seq made SQLite read the
@@ -215,7 +218,7 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, republishes, lease_token, traceparent, tracestate`,
 			relayID, formatTime(now.Add(a.leases.relay)),
-			formatTime(now.Add(-a.leases.deliver)), formatTime(now), limit)
+			formatTime(now.Add(-a.leases.deliver)), formatTime(now.Add(-a.leases.deliver)), formatTime(now), limit)
 		if err != nil {
 			return fmt.Errorf("claim undelivered events: %w", err)
 		}

@@ -317,6 +317,47 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure a replay counts as the event's last publish for the
+	// reconciler: an event it republished once, then recorded poison and
+	// replayed deliveryBound or more after that copy, gets no copy at the
+	// next sweep, and gets one only deliveryBound after the replay. The
+	// bound was measured from the reconciler's own last copy alone, which
+	// the replay left as it was, so every replay of an event republished
+	// before was republished again at once.
+	t.Run("ReplayOfARepublishedEventWaitsItsBound", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if lost, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil || len(lost) != 1 {
+			t.Fatalf("lost %v, %v, want the OrderCreated", lost, err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("reconciler republished %d, %v, want the OrderCreated the broker lost", n, err)
+		}
+		poisonForPaymentService(t, env)
+		env.clock.advance(deliveryBound)
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("right after the replay the reconciler republished %d, %v, want none", n, err)
+		}
+		env.clock.advance(deliveryBound - time.Second)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 0 {
+			t.Fatalf("within the bound from the replay the reconciler republished %d, %v, want none", n, err)
+		}
+		env.clock.advance(time.Second)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("the bound after the replay the reconciler republished %d, %v, want the replay nobody applied", n, err)
+		}
+		if got := env.count(t, `SELECT republishes FROM outbox_events`); got != 2 {
+			t.Fatalf("the event records %d republishes, want 2", got)
+		}
+	})
+
 	// Ensure a replay counts the delivery lag from the replay: an event
 	// first published longer than deliveryLag ago, poison since and
 	// replayed, is in flight, not late. Counted from its first publish,

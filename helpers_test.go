@@ -286,6 +286,17 @@ func (env *testEnv) unsettled(tb testing.TB) string {
 		env.count(tb, `SELECT COUNT(*) FROM idempotency_keys WHERE recovery_point <> 'finished'`))
 }
 
+// unkeyableID returns an id longer than PostgreSQL keys a b-tree on
+// (2704 bytes): 3000 random letters, which no compression brings under.
+func unkeyableID() string {
+	random := rand.New(rand.NewPCG(1, 2))
+	id := make([]byte, 3000)
+	for i := range id {
+		id[i] = 'a' + byte(random.IntN(26))
+	}
+	return string(id)
+}
+
 // orderBody is a valid create-order body.
 func orderBody(amount int64, sku string, qty int, paymentMethod string) string {
 	return fmt.Sprintf(`{"amount_cents":%d,"currency":"usd","items":[{"sku":%q,"qty":%d}],"payment_method":%q}`,

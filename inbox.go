@@ -63,6 +63,14 @@ func isPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
+// maxMessageIDLength bounds, in bytes, an id from outside that an inbox
+// row is to key on: a NATS message's id, a webhook's event id. PostgreSQL
+// refuses a b-tree key longer than about 2700 bytes (SQLSTATE 54000), and
+// such an id failed the message's inbox insert, then its failure count:
+// on NATS the whole batch rolled back, at every delivery, for ever. 255,
+// as for an Idempotency-Key (maxKeyLength); our own ids are under 50.
+const maxMessageIDLength = 255
+
 // consumer is one subscriber with the effect it applies per message.
 type consumer struct {
 	name     string

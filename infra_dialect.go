@@ -10,6 +10,7 @@ import (
 	_ "embed"
 	"fmt"
 	"strings"
+	"unicode/utf8"
 )
 
 //go:embed schema_postgres.sql
@@ -215,4 +216,16 @@ func integerPairs(n int) string {
 		pairs[i] = "(CAST(? AS BIGINT), CAST(? AS BIGINT))"
 	}
 	return "(VALUES " + strings.Join(pairs, ", ") + ")"
+}
+
+// storableText reports whether s can reach a text column, as a value or
+// in a comparison, on both databases: PostgreSQL refuses bytes that are
+// not UTF-8, and the NUL character, anywhere in a query's text parameters
+// (SQLSTATE 22021), and fails the whole statement; SQLite takes any bytes.
+// An id that comes from outside (a URL's path, a NATS header, a command's
+// argument) is checked with it before it reaches a query, so that both
+// databases answer it the same way: a 404 or a refusal, not a 500 on one
+// of them, nor a transaction that fails again on every retry.
+func storableText(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
 }

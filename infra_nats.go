@@ -20,7 +20,10 @@
 //   - A message without Nats-Msg-Id (not published by our relay) cannot be
 //     deduplicated. It is handed to the consumer as Malformed under the id
 //     nats-seq-<stream>-<sequence>, recorded as poison and terminated; the
-//     rest of its batch is handled as usual.
+//     rest of its batch is handled as usual. So is a message whose id is
+//     not text that PostgreSQL takes (not UTF-8, or holding a NUL; see
+//     storableText), with that id quoted in its error, or is longer than
+//     an inbox keys on (maxMessageIDLength).
 //   - The stream and the consumers are created if missing; the stream with
 //     three replicas when the client knows of three servers or more (a
 //     cluster: --broker nats://a,nats://b,nats://c, or one URL whose server
@@ -365,18 +368,38 @@ func (b *natsBroker) fetchNoWait(consumer jetstream.Consumer, subscriber string,
 		}
 		// A replay (repair.go) carries the id of the message it
 		// replays: the one the inbox keys on.
-		id := natsMsg.Headers().Get(replayedMessageIDHeader)
+		idHeader := replayedMessageIDHeader
+		id := natsMsg.Headers().Get(idHeader)
 		if id == "" {
-			id = natsMsg.Headers().Get(jetstream.MsgIDHeader)
+			idHeader = jetstream.MsgIDHeader
+			id = natsMsg.Headers().Get(idHeader)
 		}
+		seqID := fmt.Sprintf("nats-seq-%s-%d", b.stream, metadata.Sequence.Stream)
 		var malformed error
-		if id == "" {
+		switch {
+		case id == "":
 			// Not one of ours: nothing could deduplicate it. Failing
 			// the fetch would fail its batch-mates with it, for ever;
 			// the consumer records it as poison instead.
-			id = fmt.Sprintf("nats-seq-%s-%d", b.stream, metadata.Sequence.Stream)
+			id = seqID
 			malformed = permanent(fmt.Errorf("message %d on %s has no %s header, so nothing could deduplicate it",
 				metadata.Sequence.Stream, natsMsg.Subject(), jetstream.MsgIDHeader))
+		case !storableText(id):
+			// Not one of ours either (our ids are ASCII), and no inbox
+			// can key on it: PostgreSQL refused it in the inbox row,
+			// then in the failure count, and the whole batch rolled
+			// back, to fail again at every delivery. Poison under the
+			// made-up id too, with the id it carried quoted in the
+			// error, which is text.
+			malformed = permanent(fmt.Errorf("message %d on %s has %s %q, which no inbox can key on: an id is UTF-8 text without NUL",
+				metadata.Sequence.Stream, natsMsg.Subject(), idHeader, id))
+			id = seqID
+		case len(id) > maxMessageIDLength:
+			// Not one of ours either, and PostgreSQL cannot key on it
+			// (maxMessageIDLength): the same stalled batch.
+			malformed = permanent(fmt.Errorf("message %d on %s has a %s of %d bytes, which no inbox can key on: an id is at most %d bytes",
+				metadata.Sequence.Stream, natsMsg.Subject(), idHeader, len(id), maxMessageIDLength))
+			id = seqID
 		}
 		deliveries = append(deliveries, delivery{
 			message: message{

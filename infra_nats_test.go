@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -359,6 +361,76 @@ func TestNATSBroker(t *testing.T) {
 		poison := env.str(t, `SELECT error FROM inbox_messages WHERE consumer = ? AND message_id = ? AND status = 'poison'`, paymentServiceConsumer, rawID)
 		if !strings.Contains(poison, "no Nats-Msg-Id header") {
 			t.Fatalf("the poison row of %s says %q, want the missing header named", rawID, poison)
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			info := consumerInfo(t, broker, paymentServiceConsumer+"_"+eventOrderCreated)
+			if info.NumAckPending == 0 && info.NumPending == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the consumer still has %d pending acks and %d pending messages", info.NumAckPending, info.NumPending)
+			}
+			if results, err := env.app.consumeOnce(ctx, payments, 10); err != nil || len(results) != 0 {
+				t.Fatalf("a later pass got %v, %v; want nothing", results, err)
+			}
+		}
+	})
+
+	// Ensure a message whose Nats-Msg-Id, or Retrysafe-Replay-Of, is not
+	// text a database can key on (bytes that are not UTF-8, a NUL, or
+	// more than maxMessageIDLength bytes) is recorded as poison under
+	// nats-seq-<stream>-<sequence>, with the id it carried escaped in its
+	// error (a long one by its length), and terminated, while the rest of
+	// its batch is applied. On PostgreSQL, which refuses such an id, its
+	// inbox insert and then its failure count failed, so the whole batch
+	// rolled back and was naked, and came back to fail again, for ever.
+	t.Run("MessageWithAnIDThatIsNotTextDoesNotStallItsBatch", func(t *testing.T) {
+		env := MustOpenApp(t)
+		broker := useTestNATS(t, env, time.Second)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		foreign := []struct{ header, id string }{
+			{jetstream.MsgIDHeader, "evt_\xff"},
+			{replayedMessageIDHeader, "evt_\xc3\x28"},
+			{jetstream.MsgIDHeader, "evt_\x00"},
+			{jetstream.MsgIDHeader, unkeyableID()},
+		}
+		for i, f := range foreign {
+			msg := nats.NewMsg(broker.subject(eventOrderCreated))
+			msg.Header.Set(jetstream.MsgIDHeader, fmt.Sprintf("foreign-%d", i))
+			msg.Header.Set(f.header, f.id)
+			msg.Data = []byte(`{"order_id":"ord_elsewhere"}`)
+			if _, err := broker.js.PublishMsg(ctx, msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		mustCreateOrder(t, env, "user-42", "k2", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		payments := env.app.consumers()[0]
+		results, err := env.app.consumeOnce(ctx, payments, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outcomes := map[inboxOutcome]int{}
+		for _, r := range results {
+			outcomes[r.Outcome]++
+		}
+		if outcomes[inboxApplied] != 2 || outcomes[inboxPoison] != len(foreign) {
+			t.Fatalf("got %v, want two applied and %d poison", results, len(foreign))
+		}
+		for i, f := range foreign {
+			rawID := fmt.Sprintf("nats-seq-%s-%d", broker.stream, i+1)
+			poison := env.str(t, `SELECT error FROM inbox_messages WHERE consumer = ? AND message_id = ? AND status = 'poison'`, paymentServiceConsumer, rawID)
+			// Escaped, as Go quotes it: the error is text too.
+			want := f.header + " " + strconv.Quote(f.id)
+			if len(f.id) > maxMessageIDLength {
+				want = fmt.Sprintf("%s of %d bytes", f.header, len(f.id))
+			}
+			if !strings.Contains(poison, want) {
+				t.Fatalf("the poison row of %s says %q, want it to name %s", rawID, poison, want)
+			}
 		}
 		deadline := time.Now().Add(10 * time.Second)
 		for {

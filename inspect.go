@@ -271,6 +271,10 @@ func dumpTable(ctx context.Context, db *sql.DB, query string, args ...any) (tabl
 // Returns an error wrapping errNoSuchOrder if opts.orderID names no order.
 func inspect(ctx context.Context, db *sql.DB, w io.Writer, opts inspectOptions) error {
 	if opts.orderID != "" {
+		if !storableText(opts.orderID) {
+			// No order has it, and PostgreSQL would refuse it in the query.
+			return fmt.Errorf("order %s: %w", terminalSafe(opts.orderID), errNoSuchOrder)
+		}
 		var one int
 		err := db.QueryRowContext(ctx, `SELECT 1 FROM orders WHERE order_id = ?`, opts.orderID).Scan(&one)
 		if errors.Is(err, sql.ErrNoRows) {

@@ -576,9 +576,10 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 			continue
 		case errors.Is(err, errCrash):
 			return finished, err
-		case errors.Is(err, errKeyInProgress), errors.Is(err, errPaymentPending):
-			// A client's retry took it over; or the order turned out not
-			// to be paid yet, and the key was forgotten for the retry.
+		case errors.Is(err, errKeyInProgress), errors.Is(err, errRefundFinishedElsewhere), errors.Is(err, errPaymentPending):
+			// A client's retry took it over, or someone finished it
+			// meanwhile; or the order turned out not to be paid yet, and
+			// the key was forgotten for the retry.
 			continue
 		case errors.Is(err, errProcessorTimeout):
 			// Transient, and not a failure to report; but a processor that
@@ -593,9 +594,18 @@ func (a *App) completeRefundsOnce(ctx context.Context, max int) (int, error) {
 	return finished, errors.Join(failures...)
 }
 
+// errRefundFinishedElsewhere is returned by completeRefund for a key that
+// was finished when it came to it: between the read that found it
+// unfinished and now, someone else finished it (the client's retry, the
+// completer or another refund finish). The answer stored on the key is
+// theirs, and so is the finish: without it, two refund finish runs at once
+// both logged the same refund as finished.
+var errRefundFinishedElsewhere = errors.New("finished meanwhile by someone else (the client's retry, the completer or another refund finish), nothing done")
+
 // completeRefund finishes the refund of one abandoned key, as the client's
-// retry would. Returns refundOrder's errors, or a bug error if the key's
-// stored request is not a refund.
+// retry would. Returns refundOrder's errors, errRefundFinishedElsewhere if
+// the key was finished meanwhile, or a bug error if the key's stored
+// request is not a refund.
 func (a *App) completeRefund(ctx context.Context, req idempotentRequest) error {
 	orderID, ok := orderIDFromRefundPath(req.Path)
 	if !ok {
@@ -605,7 +615,10 @@ func (a *App) completeRefund(ctx context.Context, req idempotentRequest) error {
 	if err != nil {
 		return fmt.Errorf("bug: stored refund request does not decode: %w", err)
 	}
-	_, err = a.refundOrder(ctx, req, orderID, refund)
+	response, err := a.refundOrder(ctx, req, orderID, refund)
+	if err == nil && response.Replayed {
+		return errRefundFinishedElsewhere
+	}
 	return err
 }
 

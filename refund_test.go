@@ -391,6 +391,39 @@ func TestHTTPWebhook(t *testing.T) {
 			t.Fatalf("got %d %s, want 200 poison naming the charge", poison.Status, poison.Body)
 		}
 	})
+
+	// Ensure a webhook signed further ahead than webhookTolerance is
+	// refused with 400 and changes nothing, and one signed just within it
+	// is applied: a clock gone wrong is heard of, not taken for a fresh
+	// signature.
+	t.Run("TimestampAheadBeyondTheToleranceIsRefused", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID := paidOrderOverHTTP(t, env, ts, 5000)
+		chargeID := env.str(t, `SELECT charge_id FROM orders WHERE order_id = ?`, orderID)
+		refundID, err := env.app.processor.refund(context.Background(), "dashboard-1", chargeID, 1500)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := chargeRefundedEvent("evt_processor_1", chargeID, refundID, 1500)
+		secret := []byte(testWebhookSecret)
+
+		ahead := postWebhook(t, ts, body, signWebhook(secret, env.clock.now().Add(webhookTolerance+time.Second), body))
+		if ahead.Status != 400 || problemTypeOf(t, ahead) != problemBadSignature {
+			t.Fatalf("a webhook signed %s ahead got %d %s, want 400 bad signature", webhookTolerance+time.Second, ahead.Status, ahead.Body)
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?) + (SELECT COUNT(*) FROM inbox_failures WHERE consumer = ?) + (SELECT refunded_cents FROM orders)`,
+			webhookConsumer, webhookConsumer); n != 0 {
+			t.Fatalf("the refused webhook stored something (%d)", n)
+		}
+		within := postWebhook(t, ts, body, signWebhook(secret, env.clock.now().Add(webhookTolerance-time.Second), body))
+		if within.Status != 200 || !strings.Contains(within.Body, `"applied"`) {
+			t.Fatalf("a webhook signed %s ahead got %d %s, want it applied", webhookTolerance-time.Second, within.Status, within.Body)
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "paid:1500" {
+			t.Fatalf("order %s, want paid:1500", got)
+		}
+	})
 }
 
 // refundCall sends a refund of orderID by user-42 under key.

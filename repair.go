@@ -81,6 +81,18 @@ func logRepair(ctx context.Context, tx *sql.Tx, repairID, operator string, actio
 	return nil
 }
 
+// checkRepairID returns errRepairNotFound, naming id as what it was given
+// for, if id is text that no row can hold (storableText). Without it such
+// an id reached the repair's query, which PostgreSQL refused: /admin
+// answered 500 and the commands failed with the database's error, where
+// SQLite found nothing.
+func checkRepairID(what, id string) error {
+	if storableText(id) {
+		return nil
+	}
+	return fmt.Errorf("%w: no %s %s: an id is UTF-8 text without NUL", errRepairNotFound, what, terminalSafe(id))
+}
+
 // outboxRetryTarget names what retryOutboxEvents retries: one event, the
 // failed events of one order, or every failed event.
 type outboxRetryTarget struct {
@@ -107,6 +119,12 @@ type failedEvent struct {
 // if there is no such event or order, errRepairRefused if the event, or
 // every event of the order, is not failed (nothing is changed then).
 func (a *App) retryOutboxEvents(ctx context.Context, operator string, target outboxRetryTarget) ([]repairResult, error) {
+	if err := checkRepairID("outbox event", target.EventID); err != nil {
+		return nil, err
+	}
+	if err := checkRepairID("order", target.OrderID); err != nil {
+		return nil, err
+	}
 	var results []repairResult
 	repairID := a.newID("rep")
 	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -235,6 +253,9 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 	}
 	if _, ok := consumers[target.Consumer]; target.Consumer != "" && !ok {
 		return nil, fmt.Errorf("%w: no consumer %q reads from the broker; the consumers are %s", errRepairNotFound, target.Consumer, strings.Join(names, ", "))
+	}
+	if err := checkRepairID("message", target.MessageID); err != nil {
+		return nil, err
 	}
 	var results []repairResult
 	repairID := a.newID("rep")
@@ -513,6 +534,9 @@ func (b *natsBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, 
 // older claim on the saga finds its token gone (fenceSaga) and writes
 // nothing.
 func (a *App) resumeSaga(ctx context.Context, operator, sagaID string) (repairResult, error) {
+	if err := checkRepairID("saga", sagaID); err != nil {
+		return repairResult{}, err
+	}
 	var result repairResult
 	repairID := a.newID("rep")
 	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
@@ -673,7 +697,9 @@ func listUnfinishedRefunds(ctx context.Context, q queryer, now time.Time, refund
 // after refundLockTimeout (the operator has fixed the cause). Each key is
 // finished as the client's retry would finish it (completeRefund), phase by
 // phase, with the processor's idempotency key: a refund that happened is
-// found, not made again. A key a request holds is left to it.
+// found, not made again. A key a request holds is left to it; one that
+// someone else finished after the list was read is reported as theirs
+// (errRefundFinishedElsewhere), never as finished by this run.
 //
 // Not one transaction: the processor is called between phases. Each key's
 // outcome is logged in its own transaction after it. A key that could not
@@ -701,8 +727,10 @@ func (a *App) finishRefunds(ctx context.Context, operator string) ([]repairResul
 			result = before + "; finished"
 		case errors.Is(err, errCrash):
 			return results, err
+		case errors.Is(err, errRefundFinishedElsewhere):
+			result = before + "; " + err.Error()
 		case errors.Is(err, errKeyInProgress):
-			result = before + "; a request took it over meanwhile, left to it"
+			result = before + "; taken over meanwhile by someone else (the client's retry, the completer or another refund finish), left to it"
 		case errors.Is(err, errPaymentPending):
 			result = before + "; the order is not paid yet, the key is forgotten for the client's retry"
 		default:

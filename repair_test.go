@@ -693,6 +693,59 @@ func TestRefundFinish(t *testing.T) {
 		mustAuditClean(t, env, true)
 	})
 
+	// Ensure that of two refund finish runs at once, only the one that
+	// finished a key logs it finished; the other says someone else
+	// finished it. Run A holds the first key (paused after its claim)
+	// while run B, whole, leaves that key to A and finishes the second;
+	// A then came to the second key, got its stored answer, and logged
+	// it finished too.
+	t.Run("TwoRunsAtOnceLogEachKeyFinishedOnce", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orders := map[string]string{}
+		for _, key := range []string{"refund-1", "refund-2"} {
+			orders[key] = createAndDrain(t, env, "order-"+key, orderBody(5000, "sku-1", 1, pmCardVisa))
+		}
+		for _, key := range []string{"refund-1", "refund-2"} {
+			env.fault.crashAt(faultRefundStarted)
+			req, refund := refundRequestFor(t, orders[key], key, "")
+			if _, err := env.app.refundOrder(ctx, req, orders[key], refund); !errors.Is(err, errCrash) {
+				t.Fatalf("got %v, want the crash", err)
+			}
+			env.restart(t)
+			env.clock.advance(time.Second)
+		}
+		env.clock.advance(refundLockTimeout)
+
+		var resultsB []repairResult
+		var errB error
+		ranB := false
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			if point == faultRefundKeyClaimed && workerOf(ctx) == "A" && !ranB {
+				ranB = true
+				resultsB, errB = env.app.finishRefunds(withWorker(ctx, "B"), "bob")
+			}
+			return nil
+		})
+		resultsA, errA := env.app.finishRefunds(withWorker(ctx, "A"), "alice")
+		if errA != nil || errB != nil || !ranB {
+			t.Fatalf("A: %v, B: %v (ran %v)", errA, errB, ranB)
+		}
+		if len(resultsB) != 1 || resultsB[0].Target != "user-42/refund-2" || !strings.HasSuffix(resultsB[0].Result, "; finished") {
+			t.Fatalf("B got %+v, want refund-2 finished (refund-1 left to A)", resultsB)
+		}
+		if len(resultsA) != 2 || !strings.HasSuffix(resultsA[0].Result, "; finished") || resultsA[1].Failed ||
+			!strings.HasSuffix(resultsA[1].Result, "; finished meanwhile by someone else (the client's retry, the completer or another refund finish), nothing done") {
+			t.Fatalf("A got %+v, want refund-1 finished and refund-2 finished by someone else", resultsA)
+		}
+		got := env.str(t, `SELECT string_agg(operator || ' ' || target, ', ' ORDER BY operator, target) FROM repair_log WHERE result LIKE '%; finished'`)
+		if got != "alice user-42/refund-1, bob user-42/refund-2" {
+			t.Fatalf("repair_log has each key finished by %s, want alice refund-1, bob refund-2", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 2 {
+			t.Fatalf("%d processor refunds, want 2", got)
+		}
+	})
+
 	// Ensure refund list shows the key with its recovery point, and refund
 	// finish with nothing to finish says so and succeeds.
 	t.Run("Command", func(t *testing.T) {
@@ -1050,6 +1103,52 @@ func TestAdminAPI(t *testing.T) {
 			t.Fatalf("%d repairs logged, want none", got)
 		}
 	})
+}
+
+// Ensure an id that no row can hold (bytes that are not UTF-8, or a NUL)
+// is not found by any repair, the same on every database: through /admin
+// a 404 problem, through the console a page saying nothing was changed
+// (its order form: the 404 page of an unknown order), through the
+// commands an error naming it. PostgreSQL refuses such text in a query:
+// /admin answered 500 and the commands failed with the database's error,
+// where SQLite answered not found.
+func TestRepairIDNotText(t *testing.T) {
+	env := MustOpenApp(t)
+	ts := newAdminTestServer(t, env, testAdminKey)
+	createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 1, pmCardVisa))
+	c := newConsoleClient(ts)
+	c.login(t, testAdminKey, "")
+	before := repairState(t, env)
+	for _, id := range []string{"evt_\xff", "\xc3\x28", "evt_\x00"} {
+		escaped := url.PathEscape(id)
+		for _, path := range []string{
+			"/admin/outbox/" + escaped + "/retry",
+			"/admin/inbox/" + paymentServiceConsumer + "/" + escaped + "/replay",
+			"/admin/inbox/" + escaped + "/evt_1/replay",
+			"/admin/sagas/" + escaped + "/resume",
+		} {
+			mustProblem(t, "POST "+path, adminCall(t, ts, "POST", path, testAdminKey, ""), http.StatusNotFound, problemNotFound)
+		}
+		for _, button := range []consoleButton{retryButton(id), replayButton(paymentServiceConsumer, id), resumeButton(id)} {
+			if page := c.press(t, button); !strings.Contains(page, "Nothing was changed: not found: no ") {
+				t.Fatalf("%s of %q: the page does not say it was not found:\n%s", button.action, id, page)
+			}
+		}
+		if page := c.page(t, "/console?order="+url.QueryEscape(id), http.StatusNotFound); !strings.Contains(page, "There is no order") {
+			t.Fatalf("order %q: the page does not say there is no such order:\n%s", id, page)
+		}
+		for _, args := range [][]string{
+			{"outbox", "retry", id},
+			{"outbox", "retry", "--order", id},
+			{"inbox", "replay", id},
+			{"saga", "resume", id},
+		} {
+			mustRefuseCommand(t, append(args, "--db", env.path, "--operator", "alice"), "not found: no ")
+		}
+		mustRefuseCommand(t, []string{"trace", id, "--db", env.path}, "no order "+terminalSafe(id))
+		mustRefuseCommand(t, []string{"inspect", "--order", id, "--db", env.path}, "no order "+terminalSafe(id))
+	}
+	mustBeUnchanged(t, env, before)
 }
 
 // Ensure every command and flag in docs/operate-and-repair.md's "Repair what was set

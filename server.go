@@ -16,7 +16,6 @@ import (
 	"net/http"
 	"strings"
 	"time"
-	"unicode/utf8"
 )
 
 // maxBodyBytes bounds every request body: an order is a few hundred bytes.
@@ -483,14 +482,14 @@ func (s *server) handleGetOrder(w http.ResponseWriter, r *http.Request, userID s
 
 // orderIDFrom returns the {id} of the request's path, or answers 404 and
 // returns false if it cannot be the id of any order: bytes that are not
-// UTF-8 (the path may hold any, escaped as %FF). Our ids are ASCII; such an
-// id must not reach a query, where PostgreSQL refuses it (a 500), nor be
-// stored as a key's request path.
+// UTF-8, or a NUL (the path may hold any, escaped as %FF or %00). Our ids
+// are ASCII; such an id must not reach a query, where PostgreSQL refuses
+// it (a 500), nor be stored as a key's request path (storableText).
 func orderIDFrom(w http.ResponseWriter, r *http.Request) (string, bool) {
 	orderID := r.PathValue("id")
-	if !utf8.ValidString(orderID) {
+	if !storableText(orderID) {
 		writeProblem(w, problem{Type: problemNotFound, Title: "Order not found", Status: http.StatusNotFound,
-			Detail: fmt.Sprintf("no order %q: an order id is UTF-8 text", orderID)})
+			Detail: fmt.Sprintf("no order %q: an order id is UTF-8 text without NUL", orderID)})
 		return "", false
 	}
 	return orderID, true

@@ -303,9 +303,9 @@ func TestHTTPCreateOrder(t *testing.T) {
 	})
 }
 
-// Ensure an order id whose bytes are not UTF-8 is a 404 that stores
-// nothing, on every database: PostgreSQL refuses such text in a query, and
-// answered 500.
+// Ensure an order id whose bytes are not UTF-8, or that holds a NUL, is a
+// 404 that stores nothing, on every database: PostgreSQL refuses such text
+// in a query, and answered 500.
 func TestHTTPOrderIDNotUTF8(t *testing.T) {
 	env := MustOpenApp(t)
 	ts := newTestServer(t, env)
@@ -313,6 +313,8 @@ func TestHTTPOrderIDNotUTF8(t *testing.T) {
 		{"GET", "/api/orders/ord_%FF", "", ""},
 		{"POST", "/api/orders/ord_%FF/refund", "r-not-utf8", "{}"},
 		{"POST", "/api/orders/%C3%28/refund", "r-not-utf8-2", ""},
+		{"GET", "/api/orders/ord_%00", "", ""},
+		{"POST", "/api/orders/ord_%00/refund", "r-nul", "{}"},
 	} {
 		got := call(t, ts, tc.method, tc.path, keyUser42, tc.key, tc.body)
 		if got.Status != http.StatusNotFound || problemTypeOf(t, got) != problemNotFound {

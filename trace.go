@@ -96,6 +96,10 @@ var errNoSuchOrder = errors.New("no such order")
 // traceOrder reads every row about orderID and returns them in time order.
 // Returns errNoSuchOrder if the order does not exist.
 func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, error) {
+	if !storableText(orderID) {
+		// No order has it, and PostgreSQL would refuse it in the query.
+		return nil, errNoSuchOrder
+	}
 	t := &orderTrace{orderID: orderID}
 	var userID, currency, paymentMethod, status, createdAt, updatedAt string
 	var amount, refunded int64

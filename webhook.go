@@ -25,8 +25,14 @@ import (
 // It is public: set your own anywhere but a laptop.
 const devWebhookSecret = "whsec_retrysafe_dev"
 
-// webhookTolerance is how old a signed timestamp may be. A captured webhook
-// replayed later than this is rejected even with a valid signature.
+// webhookTolerance is how far a signed timestamp may be from now, on either
+// side; exactly this far is still accepted. A captured webhook replayed
+// later than this is rejected even with a valid signature. Stripe's
+// libraries check only that side; a timestamp further ahead is refused
+// too, because it is either a clock gone wrong (ours or the processor's),
+// which an operator should hear of from the 400s now rather than find
+// when every webhook is refused as old, or a signature made for the
+// future, which stays replayable for its lead on top of the tolerance.
 const webhookTolerance = 5 * time.Minute
 
 // webhookConsumer is the inbox name of processor webhooks.
@@ -83,7 +89,7 @@ var (
 )
 
 // errBadSignature is returned for a webhook whose signature is missing,
-// wrong, or older than webhookTolerance.
+// wrong, or further than webhookTolerance from now (older, or ahead).
 var errBadSignature = errors.New("bad webhook signature")
 
 // verifyWebhook checks header against body. Returns errBadSignature, wrapped
@@ -135,8 +141,18 @@ func (s *server) handleProcessorWebhook(w http.ResponseWriter, r *http.Request) 
 		s.writeError(w, r, err)
 		return
 	}
-	if event.ID == "" {
+	switch {
+	case event.ID == "":
 		s.writeError(w, r, invalidField("id", "is required"))
+		return
+	case !storableText(event.ID):
+		// JSON can spell a NUL (\u0000), which PostgreSQL refuses in the
+		// inbox row and in the failure count: a 500 at every delivery.
+		s.writeError(w, r, invalidField("id", "must be text without NUL"))
+		return
+	case len(event.ID) > maxMessageIDLength:
+		// PostgreSQL could not key the inbox row on it: a 500 again.
+		s.writeError(w, r, invalidField("id", fmt.Sprintf("must be at most %d bytes", maxMessageIDLength)))
 		return
 	}
 	result, err := s.app.receiveProcessorEvent(r.Context(), event)

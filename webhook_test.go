@@ -120,6 +120,31 @@ func requireOrderSound(tb testing.TB, env *testEnv, ts *httptest.Server, apiKey,
 	}
 }
 
+// Ensure a signed timestamp is accepted up to webhookTolerance away from
+// now on either side, the edges included, and refused a second further,
+// in the past (a captured webhook replayed) and in the future (a clock
+// gone wrong, or a signature made to be replayed later).
+func TestVerifyWebhookTolerance(t *testing.T) {
+	secret := []byte(testWebhookSecret)
+	body := chargeRefundedEvent("evt_1", "ch_1", "re_1", 100)
+	now := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		offset time.Duration
+		ok     bool
+	}{
+		{-webhookTolerance - time.Second, false},
+		{-webhookTolerance, true},
+		{0, true},
+		{webhookTolerance, true},
+		{webhookTolerance + time.Second, false},
+	} {
+		err := verifyWebhook(secret, signWebhook(secret, now.Add(tc.offset), body), body, now)
+		if tc.ok != (err == nil) || (err != nil && !errors.Is(err, errBadSignature)) {
+			t.Errorf("signed %s from now: got %v, want accepted %v", tc.offset, err, tc.ok)
+		}
+	}
+}
+
 // Ensure a correctly signed webhook is still only input: its amount is
 // checked against the charge it names, and a refund is counted once
 // however often, and in whatever order, it is announced.
@@ -433,6 +458,29 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		if n := env.count(t, `SELECT COUNT(*) FROM refunds`); n != 1 {
 			t.Fatalf("%d refunds recorded, want 1", n)
 		}
+	})
+
+	// Ensure an event whose id holds a NUL, which JSON can spell and
+	// PostgreSQL cannot store, or is longer than maxMessageIDLength, which
+	// PostgreSQL cannot key on, is refused with 400 naming the id, and
+	// nothing is stored, on every database. On PostgreSQL its inbox insert
+	// failed: a 500, at every delivery of it; SQLite applied it.
+	t.Run("EventIDNoInboxCanKeyOnIsRefused", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		orderID, chargeID := paidOrderOf(t, env, ts, keyUser42, "order-key", 5000)
+		refundID := dashboardRefund(t, env, "dashboard-1", chargeID, 100)
+		for _, id := range []string{`evt_\u0000`, unkeyableID()} {
+			body := fmt.Sprintf(`{"id":"%s","type":"charge.refunded","data":{"charge_id":%q,"refund_id":%q,"amount_cents":100}}`, id, chargeID, refundID)
+			got, _ := postSigned(t, env, ts, []byte(body))
+			if got.Status != 400 || problemTypeOf(t, got) != problemValidation || !strings.Contains(got.Body, `"field":"id"`) {
+				t.Fatalf("id %.20s...: got %d %s, want 400 %s naming id", id, got.Status, got.Body, problemValidation)
+			}
+		}
+		if n := env.count(t, `SELECT (SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?) + (SELECT COUNT(*) FROM inbox_failures) + (SELECT COUNT(*) FROM refunds)`, webhookConsumer); n != 0 {
+			t.Fatalf("stored %d rows", n)
+		}
+		requireOrderSound(t, env, ts, keyUser42, orderID)
 	})
 
 	// Ensure a signed body that reads two ways (a member twice, a name in
