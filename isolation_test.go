@@ -40,6 +40,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"regexp"
 	"slices"
@@ -169,20 +170,23 @@ type isoFixture struct {
 type isoHarness struct {
 	base    string
 	fixture isoFixture
-	tables  []string
 	slots   chan *isoSlot
 	// webhook is the processor's session, which settling sends again.
 	webhook isoSession
-	// known are the violations the fixture holds by design, before any
-	// session runs: a failed event waits for an operator.
-	known map[violation]bool
 }
 
 // isoSlot is a schema that interleavings take in turn: the two processes
 // of a pair, a third that settles the world after them, and an untraced
 // pool for the harness's own statements.
 type isoSlot struct {
-	h       *isoHarness
+	h *isoHarness
+	// fixture is the world the slot's interleavings start from, in a
+	// schema of its own beside the slot's; tables are its tables.
+	fixture isoFixture
+	tables  []string
+	// known are the violations the fixture holds by design, before any
+	// session runs: a failed event waits for an operator.
+	known   map[violation]bool
 	schema  string
 	admin   *sql.DB
 	clock   *fakeClock
@@ -279,45 +283,65 @@ func isoLedgerConsumer() consumer {
 	}
 }
 
-// newIsoHarness builds the fixture in a schema of its own and opens slots
-// slots to run interleavings in.
+// newIsoHarness opens slots slots to run interleavings in. One slot works
+// in the test database; several each work in a database of their own,
+// since advisory locks (an idempotency key's, the migration's) are shared
+// by every schema of a database, and two slots would wait on each other.
 func newIsoHarness(t *testing.T, slots int) *isoHarness {
 	t.Helper()
 	h := &isoHarness{base: os.Getenv(testPostgresEnv), slots: make(chan *isoSlot, slots)}
-	h.fixture = buildIsoFixture(t)
+	for i := range slots {
+		base := h.base
+		if slots > 1 {
+			base = isoDatabase(t, h.base, i)
+		}
+		s := h.openSlot(t, base, i)
+		if i == 0 {
+			h.fixture = s.fixture
+		} else if got, want := s.fixture, h.fixture; got.withoutSchema() != want.withoutSchema() {
+			t.Fatalf("slot %d's fixture differs from slot 0's: %+v, %+v", i, got, want)
+		}
+		h.slots <- s
+	}
 	for _, session := range isoSessions(h.fixture) {
 		if session.name == "webhook" {
 			h.webhook = session
 		}
 	}
-	admin := mustConnect(t, h.fixture.schema)
-	rows, err := admin.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_name <> 'schema_migrations' ORDER BY table_name`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var table string
-		if err := rows.Scan(&table); err != nil {
-			t.Fatal(err)
-		}
-		h.tables = append(h.tables, table)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	rows.Close()
-	violations, err := audit(context.Background(), admin, h.fixture.now, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.known = map[violation]bool{}
-	for _, v := range violations {
-		h.known[v] = true
-	}
-	for i := range slots {
-		h.slots <- h.openSlot(t, i)
-	}
 	return h
+}
+
+// withoutSchema returns f without the schema it is in: what two fixtures
+// built alike share.
+func (f isoFixture) withoutSchema() isoFixture {
+	f.schema = ""
+	return f
+}
+
+// isoDatabase creates a database for slot i beside the one base names,
+// dropped when t ends, and returns its URL.
+func isoDatabase(t *testing.T, base string, i int) string {
+	t.Helper()
+	u, err := url.Parse(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := fmt.Sprintf("%s_iso%d_%d", strings.TrimPrefix(u.Path, "/"), i, os.Getpid())
+	admin := mustConnect(t, base)
+	// name is our own [a-z0-9_] name, and the test database's.
+	if _, err := admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
+		t.Fatalf("a database for each slot (or run one slot): %v", err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`); err != nil {
+			t.Error(err)
+		}
+	})
+	u.Path = "/" + name
+	return u.String()
 }
 
 // mustConnect returns an untraced pool on the schema of url, closed when
@@ -332,13 +356,40 @@ func mustConnect(tb testing.TB, url string) *sql.DB {
 	return db
 }
 
-// openSlot makes a schema at this program's version, with the ledger's
-// table, and the processes that run in it.
-func (h *isoHarness) openSlot(t *testing.T, i int) *isoSlot {
+// openSlot builds the fixture in the database at base, makes a schema at
+// this program's version beside it, with the ledger's table, and opens the
+// processes that run in it.
+func (h *isoHarness) openSlot(t *testing.T, base string, i int) *isoSlot {
 	t.Helper()
-	url := testPostgresSchema(t, h.base)
-	s := &isoSlot{h: h, schema: url, admin: mustConnect(t, url), clock: newFakeClock(h.fixture.now), lost: map[string]bool{}}
-	if err := migrate(context.Background(), s.admin); err != nil {
+	ctx := context.Background()
+	s := &isoSlot{h: h, fixture: buildIsoFixture(t, base), lost: map[string]bool{}, known: map[violation]bool{}}
+	fixture := mustConnect(t, s.fixture.schema)
+	rows, err := fixture.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_name <> 'schema_migrations' ORDER BY table_name`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var table string
+		if err := rows.Scan(&table); err != nil {
+			t.Fatal(err)
+		}
+		s.tables = append(s.tables, table)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	rows.Close()
+	violations, err := audit(ctx, fixture, s.fixture.now, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range violations {
+		s.known[v] = true
+	}
+	s.schema = testPostgresSchema(t, base)
+	s.admin = mustConnect(t, s.schema)
+	s.clock = newFakeClock(s.fixture.now)
+	if err := migrate(ctx, s.admin); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.admin.Exec(isoAppliedTable); err != nil {
@@ -403,7 +454,7 @@ func openTracedPool(t *testing.T, url, name string) (*sql.DB, *isoTracer) {
 // interleaving left, and sets the clock to the fixture's time.
 func (s *isoSlot) reset(ctx context.Context) error {
 	s.clock.mu.Lock()
-	s.clock.t = s.h.fixture.now
+	s.clock.t = s.fixture.now
 	s.clock.mu.Unlock()
 	s.mu.Lock()
 	clear(s.lost)
@@ -411,7 +462,7 @@ func (s *isoSlot) reset(ctx context.Context) error {
 	for _, p := range append(s.procs[:], s.settler) {
 		p.answers = map[string]response{}
 	}
-	from, err := schemaOf(s.h.fixture.schema)
+	from, err := schemaOf(s.fixture.schema)
 	if err != nil {
 		return err
 	}
@@ -422,7 +473,7 @@ func (s *isoSlot) reset(ctx context.Context) error {
 		// fraction of the time TRUNCATE takes to make new files for
 		// twenty tables.
 		statements := []string{`SET LOCAL session_replication_role = replica`}
-		for _, table := range s.h.tables {
+		for _, table := range s.tables {
 			statements = append(statements, `DELETE FROM `+table,
 				`INSERT INTO `+table+` OVERRIDING SYSTEM VALUE SELECT * FROM `+from+`.`+table)
 		}
@@ -573,12 +624,12 @@ func (p *isoProcess) consumer(name string) consumer {
 
 // buildIsoFixture builds the world every interleaving starts from, in a
 // schema of its own, through the system's own code.
-func buildIsoFixture(t *testing.T) isoFixture {
+func buildIsoFixture(t *testing.T, base string) isoFixture {
 	t.Helper()
 	ctx := context.Background()
 	env := &testEnv{
 		clock: newFakeClock(time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)),
-		path:  testPostgresSchema(t, os.Getenv(testPostgresEnv)),
+		path:  testPostgresSchema(t, base),
 		fault: &faultSwitch{hits: map[faultPoint]int{}},
 		ids:   newIDs(rand.NewChaCha8([32]byte{'i', 's', 'o'})),
 	}
@@ -882,7 +933,7 @@ func (s *isoSlot) oracle(ctx context.Context, settled bool) error {
 	for _, v := range violations {
 		// What the fixture was built with (a failed event waiting for
 		// an operator) is not the interleaving's doing.
-		if !settled && s.h.known[v] {
+		if !settled && s.known[v] {
 			continue
 		}
 		found = append(found, v.Invariant+": "+v.Detail)
@@ -1007,7 +1058,13 @@ func TestTwoSessions(t *testing.T) {
 		t.Skipf("set %s to run pairs of operations at once on PostgreSQL", testPostgresEnv)
 	}
 	all := os.Getenv(isolationEnv) == "all"
-	h := newIsoHarness(t, 1)
+	// The whole matrix runs in two slots at once: a session mostly waits
+	// on the server, and two cores are busy enough with two pairs.
+	slots := 1
+	if all {
+		slots = 2
+	}
+	h := newIsoHarness(t, slots)
 	sessions := isoSessions(h.fixture)
 
 	// Each session alone, to learn what it touches.
@@ -1053,19 +1110,26 @@ func TestTwoSessions(t *testing.T) {
 		}
 	}
 	sort.SliceStable(pairs, func(i, j int) bool { return pairs[i][0].name < pairs[j][0].name })
+	var mu sync.Mutex
 	total := 0
-	t.Run("migrate/migrate", func(t *testing.T) {
-		n := runMigrations(t, h.base, all)
+	count := func(t *testing.T, n int) {
+		mu.Lock()
+		defer mu.Unlock()
 		total += n
 		t.Logf("%d interleavings", n)
-	})
-	for _, pair := range pairs {
-		t.Run(pair[0].name+"/"+pair[1].name, func(t *testing.T) {
-			n := h.runPair(t, pair[0], pair[1])
-			total += n
-			t.Logf("%d interleavings", n)
-		})
 	}
+	t.Run("migrate/migrate", func(t *testing.T) {
+		count(t, runMigrations(t, h.base, all))
+	})
+	// Each pair takes a slot; the group ends when every pair has.
+	t.Run("pairs", func(t *testing.T) {
+		for _, pair := range pairs {
+			t.Run(pair[0].name+"/"+pair[1].name, func(t *testing.T) {
+				t.Parallel()
+				count(t, h.runPair(t, pair[0], pair[1]))
+			})
+		}
+	})
 	t.Logf("%d pairs and migrate beside migrate, %d interleavings", len(pairs), total)
 }
 
