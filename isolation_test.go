@@ -75,6 +75,11 @@ type isoSession struct {
 	// client marks a request a client sends again until it has an answer
 	// (the processor, for a webhook).
 	client bool
+	// lateFor, if set, makes the session a late one: it moves the clock
+	// past a lease before it runs, as a process does that takes over the
+	// work of one paused past its lease. It is paired only with the
+	// sessions named, whose work it takes over.
+	lateFor []string
 }
 
 // isoProcess is one process of the pair: its own App over its own pool,
@@ -84,6 +89,8 @@ type isoProcess struct {
 	app    *App
 	api    http.Handler
 	tracer *isoTracer
+	// clock is the slot's, which a late session moves.
+	clock *fakeClock
 	// answers are the definitive answers its HTTP requests got, by
 	// idempotency key, for the oracle's retry.
 	answers map[string]response
@@ -412,8 +419,7 @@ func (s *isoSlot) openProcess(t *testing.T, name string) *isoProcess {
 	ctx := context.Background()
 	db, tracer := openTracedPool(t, s.schema, name)
 	t.Cleanup(func() { db.Close() })
-	seed := rand.NewChaCha8([32]byte([]byte(fmt.Sprintf("%-32s", name))))
-	app := newApp(db, s.clock.now, newIDs(seed), nil)
+	app := newApp(db, s.clock.now, nil, nil)
 	app.broker = &isoBroker{embeddedBroker: app.broker.(*embeddedBroker), slot: s}
 	if err := app.addConsumer(ctx, isoLedgerConsumer()); err != nil {
 		t.Fatal(err)
@@ -424,7 +430,7 @@ func (s *isoSlot) openProcess(t *testing.T, name string) *isoProcess {
 		webhookSecret: []byte(testWebhookSecret),
 		logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
-	return &isoProcess{name: name, app: app, api: api.routes(), tracer: tracer}
+	return &isoProcess{name: name, app: app, api: api.routes(), tracer: tracer, clock: s.clock}
 }
 
 // openTracedPool opens a pool on the database at url whose statements
@@ -461,6 +467,10 @@ func (s *isoSlot) reset(ctx context.Context) error {
 	s.mu.Unlock()
 	for _, p := range append(s.procs[:], s.settler) {
 		p.answers = map[string]response{}
+		// The same ids in every interleaving: two that end alike leave
+		// the same rows (see stateOf).
+		ids := newIDs(rand.NewChaCha8([32]byte([]byte(fmt.Sprintf("%-32s", p.name)))))
+		p.app.newID, p.app.processor.newID = ids, ids
 	}
 	from, err := schemaOf(s.fixture.schema)
 	if err != nil {
@@ -487,6 +497,26 @@ func (s *isoSlot) reset(ctx context.Context) error {
 		}
 		return nil
 	})
+}
+
+// stateOf returns a digest of everything settling and the oracle read:
+// every row of the slot's schema, the clock, the replays the broker will
+// lose and the answers clients got. Two interleavings with the same digest
+// settle alike, so the harness settles and audits each digest once.
+func (s *isoSlot) stateOf(ctx context.Context) (string, error) {
+	parts := make([]string, len(s.tables))
+	for i, table := range s.tables {
+		parts[i] = `(SELECT COALESCE(string_agg(t::text, '|' ORDER BY t::text), '') FROM ` + table + ` t)`
+	}
+	var rows string
+	if err := s.admin.QueryRowContext(ctx, `SELECT md5(concat_ws('#', `+strings.Join(parts, ", ")+`))`).Scan(&rows); err != nil {
+		return "", fmt.Errorf("digest the rows: %w", err)
+	}
+	s.mu.Lock()
+	lost := fmt.Sprint(s.lost)
+	s.mu.Unlock()
+	answers := fmt.Sprint(s.procs[0].answers, s.procs[1].answers)
+	return fmt.Sprintf("%s %s %s %s", rows, s.clock.now().Format(time.RFC3339Nano), lost, answers), nil
 }
 
 // schemaOf returns the schema that a test database URL names.
@@ -608,6 +638,42 @@ func isoSessions(f isoFixture) []isoSession {
 		{name: "refund finish", run: func(ctx context.Context, p *isoProcess) error {
 			_, err := p.app.finishRefunds(ctx, "ops")
 			return err
+		}},
+
+		// The same work, taken over from a process paused past its lease.
+		{name: "relay past the lease", lateFor: []string{"relay"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(relayLease + time.Second)
+			_, err := p.app.relayOnce(ctx, p.name, relayBatchSize)
+			return err
+		}},
+		{name: "reconciler past the lease", lateFor: []string{"reconciler"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(relayLease + time.Second)
+			_, err := p.app.reconcileOnce(ctx, p.name, relayBatchSize)
+			return err
+		}},
+		{name: "payment consumer past ackWait", lateFor: []string{"payment consumer"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(ackWait + time.Second)
+			_, err := p.app.consumeOnce(ctx, p.consumer(paymentServiceConsumer), consumeBatchSize)
+			return err
+		}},
+		{name: "order consumer past ackWait", lateFor: []string{"order consumer"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(ackWait + time.Second)
+			_, err := p.app.consumeOnce(ctx, p.consumer(orderServiceConsumer), consumeBatchSize)
+			return err
+		}},
+		{name: "saga round past the lease", lateFor: []string{"saga round", "saga resume"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(sagaLease + time.Second)
+			_, err := p.app.sagaOnce(ctx, p.name, sagaBatchSize)
+			return err
+		}},
+		{name: "refund completer past the lease", lateFor: []string{"refund", "refund completer", "refund finish"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(refundLockTimeout + time.Second)
+			_, err := p.app.completeRefundsOnce(ctx, refundBatchSize)
+			return err
+		}},
+		{name: "refund retried past the lease", client: true, lateFor: []string{"refund"}, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(refundLockTimeout + time.Second)
+			return isoAnswer("refund", p.post(refundPath(f.paidOrder), "iso-refund", `{"amount_cents":1000}`), 200, 409, 503)
 		}},
 	}
 }
@@ -810,13 +876,17 @@ func interleaveRuns(ctx context.Context, admin *sql.DB, pauseAt int, a, b isoRun
 	go func() { doneB <- b.run(ctx) }()
 	bEnded := false
 	deadline := time.Now().Add(lockWaitLimit)
+	// Most sessions end within milliseconds; one that waits is seen
+	// within a few more. Each look is a query of pg_stat_activity.
+	poll := time.Millisecond
 	for !bEnded {
 		select {
 		case run.errs[1] = <-doneB:
 			bEnded = true
 			continue
-		case <-time.After(time.Millisecond):
+		case <-time.After(poll):
 		}
+		poll = min(2*poll, 8*time.Millisecond)
 		waiting, err := waitsOnLock(ctx, admin, b.process)
 		if err != nil {
 			a.tracer.resume()
@@ -972,8 +1042,9 @@ func (s *isoSlot) oracle(ctx context.Context, settled bool) error {
 // runPair runs a and b through every interleaving: a paused before each
 // of its statements while b runs, then b paused before each of its own
 // while a runs (once for a session paired with itself: the two processes
-// are alike). It returns how many interleavings ran.
-func (h *isoHarness) runPair(t *testing.T, a, b isoSession) int {
+// are alike). It returns how many interleavings ran, and how many end
+// states they reached.
+func (h *isoHarness) runPair(t *testing.T, a, b isoSession) (ran, states int) {
 	t.Helper()
 	ctx := context.Background()
 	s := <-h.slots
@@ -982,8 +1053,11 @@ func (h *isoHarness) runPair(t *testing.T, a, b isoSession) int {
 	if a.name != b.name {
 		orders = append(orders, [2]isoSession{b, a})
 	}
-	ran := 0
 	for _, order := range orders {
+		// What each end state settled to: most pauses leave the same
+		// rows as the one before (the other session never met this
+		// one's), and settle the same way.
+		settled := map[string]bool{}
 		for pauseAt := 1; ; pauseAt++ {
 			run, err := s.interleave(ctx, order[0], order[1], pauseAt)
 			ran++
@@ -998,14 +1072,18 @@ func (h *isoHarness) runPair(t *testing.T, a, b isoSession) int {
 					}
 				}
 			}
+			var state string
 			if err == nil {
-				err = s.oracle(ctx, false)
+				state, err = s.stateOf(ctx)
 			}
-			if err == nil {
-				err = s.settle(ctx, []isoSession{order[0], order[1]})
-			}
-			if err == nil {
-				err = s.oracle(ctx, true)
+			if err == nil && !settled[state] {
+				if err = s.oracle(ctx, false); err == nil {
+					err = s.settle(ctx, []isoSession{order[0], order[1]})
+				}
+				if err == nil {
+					err = s.oracle(ctx, true)
+				}
+				settled[state] = true
 			}
 			if err != nil {
 				t.Fatalf("%s:\n%v\n\n%s sent:\n%s\n\n%s sent:\n%s", what, err,
@@ -1015,8 +1093,9 @@ func (h *isoHarness) runPair(t *testing.T, a, b isoSession) int {
 				break
 			}
 		}
+		states += len(settled)
 	}
-	return ran
+	return ran, states
 }
 
 // isoStatements numbers statements, one line each, marking the one the
@@ -1106,27 +1185,32 @@ func TestTwoSessions(t *testing.T) {
 			if !isoShareATable(touches[a.name], touches[b.name]) {
 				continue
 			}
+			if (a.lateFor != nil || b.lateFor != nil) && !slices.Contains(a.lateFor, b.name) && !slices.Contains(b.lateFor, a.name) {
+				continue
+			}
 			pairs = append(pairs, [2]isoSession{a, b})
 		}
 	}
 	sort.SliceStable(pairs, func(i, j int) bool { return pairs[i][0].name < pairs[j][0].name })
 	var mu sync.Mutex
 	total := 0
-	count := func(t *testing.T, n int) {
+	count := func(t *testing.T, n, states int) {
 		mu.Lock()
 		defer mu.Unlock()
 		total += n
-		t.Logf("%d interleavings", n)
+		t.Logf("%d interleavings, %d end states", n, states)
 	}
 	t.Run("migrate/migrate", func(t *testing.T) {
-		count(t, runMigrations(t, h.base, all))
+		n := runMigrations(t, h.base, all)
+		count(t, n, n)
 	})
 	// Each pair takes a slot; the group ends when every pair has.
 	t.Run("pairs", func(t *testing.T) {
 		for _, pair := range pairs {
 			t.Run(pair[0].name+"/"+pair[1].name, func(t *testing.T) {
 				t.Parallel()
-				count(t, h.runPair(t, pair[0], pair[1]))
+				n, states := h.runPair(t, pair[0], pair[1])
+				count(t, n, states)
 			})
 		}
 	})
