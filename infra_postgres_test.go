@@ -381,7 +381,11 @@ func TestPostgresRunsSagasSideBySide(t *testing.T) {
 // utc_time already exists", one process out of two failing to start.
 func TestMigrateConcurrently(t *testing.T) {
 	ctx := context.Background()
-	migrations, err := schemaMigrations(dialectOf(mustOpenEmpty(t)).schema)
+	schema := schemaSQL
+	if onPostgres() {
+		schema = schemaPostgresSQL
+	}
+	migrations, err := schemaMigrations(schema)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -422,27 +426,9 @@ func TestMigrateConcurrently(t *testing.T) {
 	}
 }
 
-// mustOpenEmpty returns a database connection of the kind the tests run
-// on, without migrating it, closed when tb ends.
-func mustOpenEmpty(tb testing.TB) *sql.DB {
-	tb.Helper()
-	target := testDatabase(tb)
-	var db *sql.DB
-	var err error
-	if isPostgresURL(target) {
-		db, err = connectPostgres(context.Background(), target)
-	} else {
-		db, err = sql.Open("sqlite", target)
-	}
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { db.Close() })
-	return db
-}
-
 // migrateTo applies the first version sections of the schema to the new
-// database at target, as a program of that version would have.
+// database at target, as a program of that version would have (on SQLite
+// with the connection settings it had: a file in WAL mode).
 func migrateTo(tb testing.TB, target string, version int) {
 	tb.Helper()
 	ctx := context.Background()
@@ -450,8 +436,13 @@ func migrateTo(tb testing.TB, target string, version int) {
 	var err error
 	if isPostgresURL(target) {
 		db, err = connectPostgres(ctx, target)
+	} else if version > 0 {
+		var dsn string
+		if dsn, err = sqliteDSN(target, durabilityNormal); err == nil {
+			db, err = sql.Open("sqlite", dsn)
+		}
 	} else {
-		db, err = sql.Open("sqlite", target)
+		return
 	}
 	if err != nil {
 		tb.Fatal(err)
