@@ -93,7 +93,6 @@ type chaosOperator struct {
 	// args are --db and the clock flags every repair process gets; broker,
 	// --broker and --nats-stream for inbox replay on NATS.
 	args, broker []string
-	dbPath       string
 	log          io.Writer
 	leases       leaseTimes
 	rng          *rand.Rand

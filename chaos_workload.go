@@ -125,7 +125,6 @@ type chaosCounters struct {
 	webhookPoison, webhookRejected                        atomic.Int64
 	hostileBodies, keyRaces                               atomic.Int64
 	reusedCreates, reusedRefunds                          atomic.Int64
-	rareOrders                                            atomic.Int64
 
 	mu sync.Mutex
 	// unavailableAt and serverErrorAt are when each 503 and each other 5xx

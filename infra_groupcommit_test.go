@@ -128,10 +128,10 @@ func mustStoreNoOrder(tb testing.TB, db *sql.DB) {
 	}
 }
 
-// leadWithin runs g.lead(first) and returns its error, or the panic it
-// went on with. It fails tb if lead does not return within a minute: a
+// leadWithin runs g.lead(first) and returns the panic it went on with,
+// or its error. It fails tb if lead does not return within a minute: a
 // request answered twice would block it.
-func leadWithin(tb testing.TB, g *groupCommitter, first groupRequest) (err error, panicked any) {
+func leadWithin(tb testing.TB, g *groupCommitter, first groupRequest) (panicked any, err error) {
 	tb.Helper()
 	type result struct {
 		err      error
@@ -148,7 +148,7 @@ func leadWithin(tb testing.TB, g *groupCommitter, first groupRequest) (err error
 	}()
 	select {
 	case r := <-done:
-		return r.err, r.panicked
+		return r.panicked, r.err
 	case <-time.After(time.Minute):
 		tb.Fatal("lead did not return within a minute")
 		return nil, nil
@@ -333,7 +333,7 @@ func TestGroupCommit(t *testing.T) {
 					return tt.lose(ctx, tx)
 				}
 				followers := queueFollowers(g, insertTestOrder("ord_2"), insertTestOrder("ord_3"), faulty, insertTestOrder("ord_4"), insertTestOrder("ord_5"))
-				if err, panicked := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); err != nil || panicked != nil {
+				if panicked, err := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); err != nil || panicked != nil {
 					t.Fatalf("leader: %v %v, want its commit", err, panicked)
 				}
 				for i, outcome := range answersOf(t, followers) {
@@ -361,7 +361,7 @@ func TestGroupCommit(t *testing.T) {
 		g := newGroupCommitter(env.app.db)
 		followers := queueFollowers(g, insertTestOrder("ord_2"), insertTestOrder("ord_3"))
 		refuseCommits(t, env.app.db)
-		if err, _ := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); err == nil {
+		if _, err := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); err == nil {
 			t.Fatal("the leader got no error")
 		}
 		for i, outcome := range answersOf(t, followers) {
@@ -386,7 +386,7 @@ func TestGroupCommit(t *testing.T) {
 			return insertTestOrder("ord_gone")(ctx, tx)
 		}
 		followers := queueFollowers(g, insertTestOrder("ord_2"), goingAway, insertTestOrder("ord_3"))
-		err, _ := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1")))
+		_, err := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1")))
 		if !isDatabaseUnavailable(err) {
 			t.Fatalf("the leader got %v, want the database unavailable", err)
 		}
@@ -420,7 +420,7 @@ func TestGroupCommit(t *testing.T) {
 			return nil
 		}
 		followers := queueFollowers(g, insertTestOrder("ord_2"), breaking, insertTestOrder("ord_3"))
-		if _, panicked := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); panicked != "driver bug" {
+		if panicked, _ := leadWithin(t, g, newGroupRequest(ctx, insertTestOrder("ord_1"))); panicked != "driver bug" {
 			t.Fatalf("lead went on with %v, want the driver's panic", panicked)
 		}
 		for i, outcome := range answersOf(t, followers) {

@@ -505,8 +505,9 @@ func namesOneMutant() bool {
 // Ensure the simulator finds each fault when it is put back: a simulator
 // that passes with a known fault in place would pass with an unknown one
 // too. Each mutant is a copy of the source with the mutation's edits,
-// built and run with `simulate --seeds N`; it must fail, and the test logs
-// the seed and step that found it. The mutation's catcher, the test that
+// whose tests are built once; its TestSimulation runs up to N seeds (as
+// `simulate --seeds N` would, stopping at the first that fails) and must
+// fail, and the test logs the seed and step that found it. The mutation's catcher, the test that
 // docs/break-it.md says catches it, must fail on the mutant too.
 //
 // It runs with RETRYSAFE_MUTATIONS=<seeds> (CI), or for one mutant named
@@ -556,13 +557,21 @@ func TestMutations(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			binary := filepath.Join(dir, "retrysafe")
-			build := exec.Command("go", "build", "-o", binary, ".")
+			// One build per mutant, of its tests: the package compiled
+			// with its tests takes about twice as long as without, so
+			// the simulator runs as TestSimulation in the same binary as
+			// the catcher, not in a second build of the command.
+			binary := filepath.Join(dir, "retrysafe.test")
+			build := exec.Command("go", "test", "-c", "-o", binary, ".")
 			build.Dir = dir
 			if out, err := build.CombinedOutput(); err != nil {
 				t.Fatalf("build the mutant: %v\n%s", err, out)
 			}
-			out, err := exec.Command(binary, "simulate", "--seeds", strconv.Itoa(seeds)).CombinedOutput()
+			// On SQLite, whatever database the catcher runs on.
+			simulate := exec.Command(binary, "-test.run", "^TestSimulation$")
+			simulate.Dir = dir
+			simulate.Env = append(os.Environ(), simulationSeedsEnv+"="+strconv.Itoa(seeds), testPostgresEnv+"=")
+			out, err := simulate.CombinedOutput()
 			switch found := simulateFailure.FindStringSubmatch(string(out)); {
 			case err == nil && m.simulatorMisses != "":
 				t.Logf("%s: the simulator found nothing in %d seeds, a known gap: %s", m.fault, seeds, m.simulatorMisses)
@@ -578,7 +587,7 @@ func TestMutations(t *testing.T) {
 				t.Logf("%s: only the simulator catches it", m.name)
 				return
 			}
-			caught := exec.Command("go", "test", "-count=1", "-run", anchoredRun(m.catcher), ".")
+			caught := exec.Command(binary, "-test.run", anchoredRun(m.catcher))
 			caught.Dir = dir
 			out, err = caught.CombinedOutput()
 			failed := regexp.MustCompile(`(?m)^\s*--- FAIL: (`+regexp.QuoteMeta(m.catcher)+`\S*)`).FindAllStringSubmatch(string(out), -1)

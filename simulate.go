@@ -229,13 +229,13 @@ type simClient struct {
 // simRequest is one logical request: a method, a path, a key and a body.
 // A retry sends the same again.
 type simRequest struct {
-	client               *simClient
-	kind                 string // create, refund, hostile, webhook
-	method, path, key    string
-	body                 string
-	answers              []simAnswer
-	inFlight             int
-	orderID, webhookFrom string
+	client            *simClient
+	kind              string // create, refund, hostile, webhook
+	method, path, key string
+	body              string
+	answers           []simAnswer
+	inFlight          int
+	orderID           string
 	// commitLostAt is when a commit of this request landed while the
 	// connection dropped before its answer arrived: the server stored an
 	// answer then that the client never got.

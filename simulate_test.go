@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -56,7 +57,11 @@ func TestSimulation(t *testing.T) {
 		}
 		seeds = n
 	}
-	workers := 1
+	// On SQLite a seed runs one coroutine at a time and never waits: alone
+	// it keeps one core busy. Seeds side by side, each in a file of its
+	// own, run as they would alone (the same trace, byte for byte), so one
+	// runs per core, and CI's 2000 take half the time on two cores.
+	workers := runtime.GOMAXPROCS(0)
 	if onPostgres() {
 		workers = simulationPostgresWorkers
 	}
@@ -265,26 +270,48 @@ func simulationReplay(seed uint64) string {
 	return fmt.Sprintf("go run . simulate --seed %d --steps %d --trace", seed, simulationSteps)
 }
 
-// Ensure a seed gives the same run twice, byte for byte.
+// Ensure a seed gives the same run twice, byte for byte, and the same again
+// when it runs beside another seed, as TestSimulation runs them on SQLite.
 func TestSimulationIsDeterministic(t *testing.T) {
 	ctx := context.Background()
-	var traces [2]string
-	for i := range traces {
+	run := func(seed uint64) (string, error) {
 		path, remove, err := simulationDatabase()
 		if err != nil {
-			t.Fatal(err)
+			return "", err
 		}
-		report, err := simulateOnce(ctx, simOptions{seed: 42, steps: simulationSteps, path: path})
-		if err := remove(); err != nil {
-			t.Error(err)
+		report, err := simulateOnce(ctx, simOptions{seed: seed, steps: simulationSteps, path: path})
+		if rerr := remove(); rerr != nil && err == nil {
+			err = rerr
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		traces[i] = strings.Join(report.Trace, "\n")
+		return strings.Join(report.Trace, "\n"), err
 	}
-	if traces[0] != traces[1] {
-		t.Fatalf("seed 42 ran differently twice:\n%s\n\n%s", traces[0], traces[1])
+	alone, err := run(42)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := run(42)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again != alone {
+		t.Fatalf("seed 42 ran differently twice:\n%s\n\n%s", alone, again)
+	}
+	// Seed 42 twice at once: the same ids, each run in a database of its
+	// own; anything the two shared would show in the traces.
+	var besides [2]string
+	var errs [2]error
+	var wg sync.WaitGroup
+	for i := range besides {
+		wg.Go(func() { besides[i], errs[i] = run(42) })
+	}
+	wg.Wait()
+	for i, beside := range besides {
+		if errs[i] != nil {
+			t.Fatal(errs[i])
+		}
+		if beside != alone {
+			t.Fatalf("seed 42 ran differently beside another run:\n%s\n\n%s", alone, beside)
+		}
 	}
 }
 

@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -18,9 +17,12 @@ import (
 // tests that run it as separate processes.
 func buildBinary(tb testing.TB) string {
 	tb.Helper()
+	// go test puts the bin directory of its own Go first on PATH, so this
+	// is the Go that built the test; a test binary run by hand needs go
+	// on PATH.
 	goTool, err := exec.LookPath("go")
 	if err != nil {
-		goTool = filepath.Join(runtime.GOROOT(), "bin", "go")
+		tb.Fatalf("no go command on PATH to build retrysafe with: %v", err)
 	}
 	binary := filepath.Join(tb.TempDir(), "retrysafe")
 	build := exec.Command(goTool, "build", "-o", binary, ".")

@@ -79,7 +79,7 @@ func postTraced(tb testing.TB, ts *httptest.Server, path, key, body, traceparent
 func spanAttr(span tracetest.SpanStub, key attribute.Key) string {
 	for _, kv := range span.Attributes {
 		if kv.Key == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""
@@ -356,7 +356,7 @@ func traceOneOrder(t *testing.T, env *testEnv, broker *natsBroker) {
 // hasAttr reports whether attrs hold key with the text value want.
 func hasAttr(attrs []attribute.KeyValue, key attribute.Key, want string) bool {
 	for _, kv := range attrs {
-		if kv.Key == key && kv.Value.Emit() == want {
+		if kv.Key == key && kv.Value.String() == want {
 			return true
 		}
 	}
