@@ -1136,6 +1136,9 @@ func TestTwoSessions(t *testing.T) {
 	if !onPostgres() {
 		t.Skipf("set %s to run pairs of operations at once on PostgreSQL", testPostgresEnv)
 	}
+	if testing.Short() {
+		t.Skip("-short: pairs of operations at once take half a minute")
+	}
 	all := os.Getenv(isolationEnv) == "all"
 	// The whole matrix runs in two slots at once: a session mostly waits
 	// on the server, and two cores are busy enough with two pairs.
