@@ -1511,8 +1511,13 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	// first send of the key's life. (A webhook has no key: its redelivery
 	// is answered "duplicate".)
 	if definitive(answer) && req.kind != "webhook" {
+		// A refusal as reused binds only while another request certainly
+		// holds the key: once the holder's key may have expired (a day
+		// from its answer, which may fall within a day of req's first
+		// send), req may run. The model judges the refusals themselves.
+		_, held := s.model.keyHolders(req, action.sentAt, answer.at)
 		for _, earlier := range req.answers[:len(req.answers)-1] {
-			if freedSince(req, earlier) {
+			if freedSince(req, earlier) || (!held && refusedAsReused(earlier)) {
 				continue
 			}
 			if definitive(earlier) && earlier.body != answer.body && earlier.lifeStart.Equal(answer.lifeStart) &&
@@ -1585,6 +1590,11 @@ func definitive(answer simAnswer) bool {
 	return answer.status != http.StatusConflict || (kind != problemKeyInProgress && kind != problemPaymentPending)
 }
 
+// refusedAsReused reports whether answer refused its key as reused.
+func refusedAsReused(answer simAnswer) bool {
+	return answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused
+}
+
 // freedSince reports whether earlier, an answer req got, was a refusal of
 // its key as reused by another request of its client (whose answer the
 // key does not store) that has since freed the key: it was refused as too
@@ -1592,7 +1602,7 @@ func definitive(answer simAnswer) bool {
 // nothing under the key. The key is then new again, and req may get
 // another answer.
 func freedSince(req *simRequest, earlier simAnswer) bool {
-	if earlier.status != http.StatusUnprocessableEntity || problemType(orderField([]byte(earlier.body), "type")) != problemKeyReused {
+	if !refusedAsReused(earlier) {
 		return false
 	}
 	for _, other := range req.client.requests {
