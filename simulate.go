@@ -24,7 +24,10 @@
 // can reach one consumer of a subject after the other applied the message;
 // and a consumer that records a message poison is held before its ack
 // while the reconciler sweeps and the operator replays it
-// (simulate_consumers.go).
+// (simulate_consumers.go). Some structures land on the value where an
+// answer changes: the last units of stock, a key's expiry to the
+// microsecond, a signature just beyond the tolerance
+// (simulate_boundaries.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -124,6 +127,10 @@ type simCounts struct {
 	simForgedCounts
 	// Keys of a counter scheme two users share (simulate_sharedkeys.go).
 	simSharedKeysCounts
+	// The last units of a SKU, retries at a key's expiry, creates whose
+	// transaction spans a clock move, webhooks signed off our clock
+	// (simulate_boundaries.go).
+	simBoundaryCounts
 	Repairs simRepairCounts
 }
 
@@ -160,11 +167,13 @@ func (c *simCounts) add(other simCounts) {
 	c.AnswersFull += other.AnswersFull
 	c.AbandonedRefunds += other.AbandonedRefunds
 	c.CatchUps += other.CatchUps
+	c.GaveUpRefunds += other.GaveUpRefunds
 	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.simTransientCounts.add(other.simTransientCounts)
 	c.simConsumersCounts.add(other.simConsumersCounts)
 	c.simForgedCounts.add(other.simForgedCounts)
 	c.simSharedKeysCounts.add(other.simSharedKeysCounts)
+	c.simBoundaryCounts.add(other.simBoundaryCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -173,9 +182,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
+		c.simBoundaryCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -214,6 +224,17 @@ type simAction struct {
 	recorder *httptest.ResponseRecorder
 	result   string
 	err      error
+	// waited is set once the action has waited at a fault point.
+	waited bool
+	// processorTimedOut is set when a processor call of the action got no
+	// answer (a lost response).
+	processorTimedOut bool
+	// clockMovedFrom and clockMovedTo are set when the clock jumped inside
+	// the transaction of a create that ran alone: from the reading before
+	// the first jump to the one after the last (simulate_boundaries.go).
+	clockMovedFrom, clockMovedTo time.Time
+	// probe is the expiry probe a client request sends, if it is one.
+	probe *simExpiryProbe
 }
 
 // simClient is a virtual API client: one user, with the requests it has
@@ -257,6 +278,12 @@ type simRequest struct {
 	// claimed and not settled: its process was killed mid-call, and
 	// nothing ran since (simulate_abandon.go).
 	unsettledAt time.Time
+	// gaveUp is set when the client gave up on this refund after the
+	// processor timed out: it never sends it again (simulate_abandon.go).
+	gaveUp bool
+	// signSkew is how far off our clock a webhook's signature is made
+	// (simulate_boundaries.go).
+	signSkew time.Duration
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -321,8 +348,10 @@ type simulation struct {
 	groupProcess   *simProcess
 	groupReleaseAt int
 	// abandoned is the refund whose process is killed mid-call, until its
-	// client comes back (simulate_abandon.go).
+	// client comes back; timingOut the refund whose processor call loses
+	// its answer, until it is answered (simulate_abandon.go).
 	abandoned *simAbandoned
+	timingOut *simRequest
 	// frozen is the saga pass frozen past its lease, until it wakes up
 	// (simulate_freeze.go).
 	frozen *simFrozen
@@ -343,6 +372,12 @@ type simulation struct {
 	// keyUsers the users who sent each key string (simulate_sharedkeys.go).
 	keyCounters map[string]int
 	keyUsers    map[string][]string
+
+	// lastStock is how much of lastSKU is stocked and asked for;
+	// expiryProbe the retry scheduled at a chosen instant of its key's
+	// life (simulate_boundaries.go).
+	lastStock   simLastStock
+	expiryProbe *simExpiryProbe
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -388,6 +423,9 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 	}
 	s.app = app
 	if err := s.wireLedger(ctx); err != nil {
+		return simReport{}, err
+	}
+	if err := s.stockLastSKU(ctx); err != nil {
 		return simReport{}, err
 	}
 	s.auditor, err = prepareAuditor(ctx, s.direct)
@@ -619,6 +657,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	if moved, err := s.stepReplayRace(ctx); moved {
 		return err
 	}
+	if sent, err := s.stepExpiryProbe(ctx); sent {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -766,14 +807,19 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	if abandoned, err := s.killAbandoned(ctx, action, point); abandoned {
 		return err
 	}
+	if s.timeoutLoses(action, point) {
+		return errors.New("connection reset")
+	}
 	if err := s.brokenDependency(point); err != nil {
 		if point == faultConsumerApply {
 			s.countOwnFailure()
 		}
+		action.processorTimedOut = action.processorTimedOut || point == faultProcessorLoseResponse
 		return err
 	}
 	if point == faultProcessorLoseResponse && s.chance(0.1) {
 		s.report.Counts.LostResponses++
+		action.processorTimedOut = true
 		return errors.New("connection reset")
 	}
 	if err := s.processorUnreachable(point); err != nil {
@@ -808,7 +854,16 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			// the clock twice in it sees two times.
 			s.report.Counts.ClockJumpsInTx++
 			s.tracef("a%d %s: the clock jumps inside a transaction, at %s", action.id, action.process.name, point)
+			from := s.clock.now()
 			s.jumpClock()
+			if action.request != nil && action.request.kind == "create" && len(s.queuedInGroup()) == 0 {
+				// Its claim read the clock at from or before; its answer
+				// will read it at the clock's now or after.
+				if action.clockMovedFrom.IsZero() {
+					action.clockMovedFrom = from
+				}
+				action.clockMovedTo = s.clock.now()
+			}
 		}
 		if s.network != nil && !s.network.down {
 			switch roll := s.rng.IntN(100); {
@@ -841,6 +896,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	}
 	action.waitingAt = point
 	action.suspendedAt = s.clock.now()
+	action.waited = true
 	s.current = nil
 	if !action.yield(point) {
 		action.crashed = true
@@ -900,6 +956,7 @@ func (s *simulation) waitInQueue(done chan groupOutcome) groupOutcome {
 		}
 		action.waitingAt = groupQueued
 		action.suspendedAt = s.clock.now()
+		action.waited = true
 		s.current = nil
 		if !action.yield(groupQueued) {
 			// The run is over (it failed): stop waiting.
@@ -1142,10 +1199,24 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			return err
 		}
 	}
+	if s.timingOut == nil && s.chance(0.03) {
+		// A refund of a paid order whose processor answer is lost; its
+		// client gives up (simulate_abandon.go).
+		if sent, err := s.timeOutRefund(ctx, client); sent || err != nil {
+			return err
+		}
+	}
 	if s.chance(forgedRefundChance) {
 		// A forged refund event of a paid order, while the processor's
 		// API is down (simulate_forged.go).
 		if sent, err := s.sendForgedDuringOutage(ctx, client); sent || err != nil {
+			return err
+		}
+	}
+	if s.chance(expiryProbeChance) {
+		// A retry at its key's expiry, or a microsecond before
+		// (simulate_boundaries.go).
+		if sent, err := s.probeKeyExpiry(ctx); sent || err != nil {
 			return err
 		}
 	}
@@ -1161,7 +1232,9 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		// some under a key already taken, which fail in the batch.
 		req = s.queuedCreate(client)
 	case roll < 35 || len(client.requests) == 0:
-		req = s.newCreate(client)
+		if req = s.lastStockCreate(client); req == nil {
+			req = s.newCreate(client)
+		}
 	case roll < 60:
 		// Mostly one of the last few: a client retries what just timed
 		// out, or what it sent before its process restarted.
@@ -1170,8 +1243,9 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			recent = recent[len(recent)-3:]
 		}
 		req = pick(s, recent)
-		if req.kind == "webhook" && s.processorGaveUp(req) {
-			// Its retry window is over: the processor sends it no more.
+		if (req.kind == "webhook" && s.processorGaveUp(req)) || req.gaveUp {
+			// Its retry window is over: the processor sends it no more. Or
+			// its client gave up on it.
 			req = s.newCreate(client)
 			break
 		}
@@ -1196,7 +1270,13 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	case roll < 90:
 		req = s.newHostile(client)
 	default:
-		req = s.newWebhook(ctx, client)
+		if s.chance(0.25) {
+			// An event signed too far off our clock (simulate_boundaries.go).
+			req = s.newStaleSignature(client)
+		}
+		if req == nil {
+			req = s.newWebhook(ctx, client)
+		}
 		if req == nil {
 			req = s.newCreate(client)
 		}
@@ -1242,6 +1322,12 @@ func sameRequest(client *simClient, req *simRequest) *simRequest {
 
 // sendRequest has client send req.
 func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *simRequest) error {
+	return s.sendRequestProbing(ctx, client, req, nil)
+}
+
+// sendRequestProbing has client send req, as the retry probe sends, if
+// probe is set (simulate_boundaries.go).
+func (s *simulation) sendRequestProbing(ctx context.Context, client *simClient, req *simRequest, probe *simExpiryProbe) error {
 	if len(req.answers) == 0 && req.inFlight == 0 && !containsRequest(client.requests, req) {
 		client.requests = append(client.requests, req)
 	}
@@ -1251,7 +1337,7 @@ func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *si
 		// The batch being held is this process's.
 		process = s.groupProcess
 	}
-	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
+	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(), probe: probe,
 		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
 	s.sending(action)
 	return s.start(ctx, action, func(ctx context.Context) {
@@ -1295,7 +1381,11 @@ func (s *simulation) reuseKey(client *simClient) *simRequest {
 		req = s.newCreate(client)
 	}
 	req.key = earlier.key
-	return sameRequest(client, req)
+	if same := sameRequest(client, req); !same.gaveUp {
+		return same
+	}
+	// The very request its client gave up on: it never sends it again.
+	return s.newCreate(client)
 }
 
 // containsRequest reports whether requests holds req.
@@ -1421,6 +1511,11 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	req := s.newRefundEvent(client, n, kind, chargeID, refundID, orderID, refundAmount)
 	if req != nil && kind == "dashboard" {
 		s.model.dashboard[orderID] = append(s.model.dashboard[orderID], req)
+		if mismatched := s.mismatchedAmount(client, req, chargeID, refundID, amount-refunded); mismatched != nil {
+			// Sent first; the processor's own event comes later
+			// (simulate_forged.go).
+			return mismatched
+		}
 	}
 	return req
 }
@@ -1461,7 +1556,7 @@ func (s *simulation) newRefundEvent(client *simClient, n int, kind, chargeID, re
 		return nil
 	}
 	req := &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: string(event),
-		eventID: eventID, eventKind: kind, refundAmount: amount, orderID: orderID}
+		eventID: eventID, eventKind: kind, refundAmount: amount, orderID: orderID, signSkew: s.signingSkew()}
 	s.webhooks = append(s.webhooks, eventID)
 	s.events[eventID] = req
 	s.report.Counts.Webhooks++
@@ -1476,6 +1571,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	req.inFlight--
 	req.lastEnd = s.clock.now()
 	req.lastDropped = action.crashed
+	timedOutOnPurpose := req == s.timingOut
+	if timedOutOnPurpose {
+		s.timingOut = nil
+	}
 	if action.crashed {
 		s.tracef("a%d %s %s: connection dropped", action.id, action.process.name, action.what)
 		return nil
@@ -1498,6 +1597,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			// its event may come while our refund is still pending.
 			s.announceOwnRefund(ctx, req)
 		}
+		if req.kind == "refund" && action.processorTimedOut {
+			s.giveUpRefund(req, timedOutOnPurpose)
+		}
 		// A create has nothing transient to wait for but its database. (A
 		// refund may wait for the processor, a webhook for its order's
 		// payment to be recorded.)
@@ -1510,7 +1612,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	// when the answer was stored at least, which is no earlier than the
 	// first send of the key's life. (A webhook has no key: its redelivery
 	// is answered "duplicate".)
-	if definitive(answer) && req.kind != "webhook" {
+	if definitive(answer) && req.kind != "webhook" && req.kind != "stale-signed" {
 		// A refusal as reused binds only while another request certainly
 		// holds the key: once the holder's key may have expired (a day
 		// from its answer, which may fall within a day of req's first
@@ -1533,6 +1635,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			return s.fail("hostile body %s got %d, want 400: %s", req.body, answer.status, answer.body)
 		}
 	case "create":
+		if !action.clockMovedFrom.IsZero() {
+			s.probeClockMovedCreate(action, answer)
+		}
 		if answer.status == http.StatusCreated {
 			orderID := orderField([]byte(answer.body), "order_id")
 			if orderID == "" {
@@ -1558,6 +1663,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusOK && orderField([]byte(answer.body), "refund_id") == "" {
 			return s.fail("a refund 200 without a refund id: %s", answer.body)
 		}
+		s.probeRefundExpiry(req, answer)
 		// A refund key replays its answer for a day from that answer; only
 		// then may it be refused as expired.
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyExpired {
@@ -1575,6 +1681,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 				return s.fail("refund key %s refused as expired %s after its refund was settled, within a day", req.key, answer.at.Sub(settled))
 			}
 		}
+	}
+	if err := s.judgeProbe(action, answer); err != nil {
+		return err
 	}
 	return s.model.judge(s, action, answer)
 }
@@ -1709,6 +1818,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 // quiet; then the full check and the clients' view.
 func (s *simulation) quiesce(ctx context.Context) error {
 	s.quiescing = true
+	s.expiryProbe = nil
 	s.tracef("quiesce: no more faults")
 	s.endOutage(s.network)
 	s.endOutage(s.brokerNetwork)
@@ -1741,6 +1851,10 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 		}
 	}
+	released, err := s.releasedGaveUp(ctx)
+	if err != nil {
+		return err
+	}
 	waitedForDelivery := false
 	for round := 0; ; round++ {
 		if round == 50 {
@@ -1753,7 +1867,7 @@ func (s *simulation) quiesce(ctx context.Context) error {
 				// earlier one was answered: its client does not know what
 				// it did.
 				inDoubt := undecided(req) || (req.lastDropped && req.kind != "hostile")
-				if !inDoubt || (req.kind == "webhook" && s.processorGaveUp(req)) {
+				if !inDoubt || (req.kind == "webhook" && s.processorGaveUp(req)) || req.gaveUp {
 					continue
 				}
 				busy = true
@@ -1768,6 +1882,11 @@ func (s *simulation) quiesce(ctx context.Context) error {
 				return s.fail("workers while quiet: %v", err)
 			}
 			busy = busy || n > 0
+		}
+		if round == 0 {
+			if err := s.checkCompleterFinished(ctx, released); err != nil {
+				return err
+			}
 		}
 		repaired, err := s.repairWhileQuiet(ctx)
 		if err != nil {
@@ -1839,7 +1958,7 @@ func (s *simulation) refusedOnPurpose(v violation) bool {
 // undecided reports whether the client still waits for a definitive answer
 // to req: none yet, or only "in progress" and "try again".
 func undecided(req *simRequest) bool {
-	if req.kind == "hostile" {
+	if req.kind == "hostile" || req.kind == "stale-signed" {
 		return false
 	}
 	if len(req.answers) == 0 {
@@ -1865,8 +1984,8 @@ func (s *simulation) send(ctx context.Context, action *simAction) {
 	req := action.request
 	httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
 	httpReq.Header.Set("Content-Type", "application/json")
-	if req.kind == "webhook" {
-		httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now(), []byte(req.body)))
+	if req.kind == "webhook" || req.kind == "stale-signed" {
+		httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now().Add(req.signSkew), []byte(req.body)))
 	} else {
 		httpReq.Header.Set("Authorization", "Bearer "+req.client.apiKey)
 		httpReq.Header.Set("Idempotency-Key", req.key)
@@ -2009,8 +2128,12 @@ again a day later, saga workers frozen past their lease, a second consumer
 of OrderCreated (a ledger) that a lost message may miss while the payment
 service applied it, a poison message replayed before its consumer's ack,
 replays that reach every consumer of the subject (one whose inbox forgot the
-message after a week included) or that the broker loses, and a broker that
-delivers a batch out of order, loses acks and gets publishes twice. Every
+message after a week included) or that the broker loses, a broker that
+delivers a batch out of order, loses acks and gets publishes twice, orders
+for exactly the stock that remains, retries at a key's expiry (or a
+microsecond before) and of a create whose transaction spanned a clock move,
+refunds given up on after a processor timeout, and signed events of a
+real refund with another amount or signed beyond the tolerance. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
 hold and every event marked published must be in the broker; at the end the

@@ -101,6 +101,26 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.ReplaysToEvery == 0 {
 		t.Errorf("in %d seeds no replay reached every consumer of its subject", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds {
+		// The boundary structures: each reached in the first seeds, so
+		// that an oracle that can no longer fail shows.
+		for _, reached := range []struct {
+			what string
+			n    int
+		}{
+			{"orders of the last units of " + lastSKU, total.LastStockOrders},
+			{"retries at a key's expiry or a microsecond before", total.ExpiryProbes},
+			{"retries of a create whose transaction spanned a clock move", total.ClockMovedProbes},
+			{"webhooks signed beyond the tolerance", total.StaleSignatures},
+			{"events signed off our clock within the tolerance", total.SkewedSignatures},
+			{"refunds given up on after a processor timeout", total.GaveUpRefunds},
+			{"events of a real refund with another amount", total.MismatchedAmounts},
+		} {
+			if reached.n == 0 {
+				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
+			}
+		}
+	}
 	// About one seed in a hundred builds the week an operator is away
 	// and then replays to every consumer: CI's thousands must reach it.
 	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysForgotten == 0 {
