@@ -27,7 +27,8 @@
 // (simulate_consumers.go). Some structures land on the value where an
 // answer changes: the last units of stock, a key's expiry to the
 // microsecond, a signature just beyond the tolerance
-// (simulate_boundaries.go).
+// (simulate_boundaries.go), the failure that makes a message poison
+// (simulate_poison.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -131,6 +132,9 @@ type simCounts struct {
 	// transaction spans a clock move, webhooks signed off our clock
 	// (simulate_boundaries.go).
 	simBoundaryCounts
+	// Messages failed at every delivery, and poison's place in delivery
+	// (simulate_poison.go).
+	simPoisonCounts
 	Repairs simRepairCounts
 }
 
@@ -174,6 +178,7 @@ func (c *simCounts) add(other simCounts) {
 	c.simForgedCounts.add(other.simForgedCounts)
 	c.simSharedKeysCounts.add(other.simSharedKeysCounts)
 	c.simBoundaryCounts.add(other.simBoundaryCounts)
+	c.simPoisonCounts.add(other.simPoisonCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -182,10 +187,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
 		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
-		c.simBoundaryCounts)
+		c.simBoundaryCounts, c.simPoisonCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -224,8 +229,9 @@ type simAction struct {
 	recorder *httptest.ResponseRecorder
 	result   string
 	err      error
-	// waited is set once the action has waited at a fault point.
-	waited bool
+	// waited is set once the action has waited at a fault point;
+	// commitLost once a commit of it landed and its answer was lost.
+	waited, commitLost bool
 	// processorTimedOut is set when a processor call of the action got no
 	// answer (a lost response).
 	processorTimedOut bool
@@ -235,6 +241,10 @@ type simAction struct {
 	clockMovedFrom, clockMovedTo time.Time
 	// probe is the expiry probe a client request sends, if it is one.
 	probe *simExpiryProbe
+	// consumer is the consumer a consumeOnce pass ran, and consumed what
+	// it did with each message if its batch committed (nil otherwise).
+	consumer string
+	consumed []receiveResult
 }
 
 // simClient is a virtual API client: one user, with the requests it has
@@ -378,6 +388,13 @@ type simulation struct {
 	// life (simulate_boundaries.go).
 	lastStock   simLastStock
 	expiryProbe *simExpiryProbe
+	// poisonRun is the message a consumer fails on at every delivery
+	// (simulate_poison.go).
+	poisonRun *simPoisonRun
+	// violation is the first broken promise found by a check that runs
+	// inside the App's own calls, where an error would be taken for the
+	// App's: the run fails with it at the end of the step.
+	violation error
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -537,6 +554,7 @@ func (s *simulation) newNetwork(name string) *simDatabase {
 		if s.current != nil {
 			for _, action := range append(s.queuedInGroup(), s.current) {
 				action.sawOutage = true
+				action.commitLost = true
 				if action.request != nil {
 					action.request.commitLostAt = s.clock.now()
 				}
@@ -621,6 +639,9 @@ func (s *simulation) run(ctx context.Context) error {
 		if err := s.oneStep(ctx); err != nil {
 			return err
 		}
+		if s.violation != nil {
+			return s.violation
+		}
 		if err := s.checkInFlight(ctx); err != nil {
 			return err
 		}
@@ -658,6 +679,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 		return err
 	}
 	if sent, err := s.stepExpiryProbe(ctx); sent {
+		return err
+	}
+	if moved, err := s.stepPoisonRun(ctx); moved {
 		return err
 	}
 	roll := s.rng.IntN(100)
@@ -880,6 +904,12 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		}
 		return nil
 	}
+	if s.poisonRun != nil && action.consumer == s.poisonRun.consumer {
+		// A pass of the consumer that fails a message at every delivery
+		// runs straight through: the simulator counts its failures in the
+		// order they commit (simulate_poison.go).
+		return nil
+	}
 	hold := false
 	if point == faultRefundAfterProcessor && action.request != nil && s.chance(0.6) {
 		// The processor announces the refund it just made, ours, while
@@ -1083,7 +1113,25 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 		// the database it could not reach.
 		return s.fail("%s %s failed: %v", action.process.name, action.what, action.err)
 	}
+	if action.consumer != "" {
+		return s.judgePoisonRun(action)
+	}
+	if action.what == "reconcileOnce" && action.err == nil && !action.crashed && !action.waited {
+		// A sweep that ran straight through: its marks are the last word
+		// on the inboxes as they are now.
+		return s.checkReceivedMarkedDelivered(ctx)
+	}
 	return nil
+}
+
+// violate records the first broken promise that a check found inside the
+// App's own calls (a broker's publish, an operator's repair), where
+// returning it would make the App take it for its own error: the run
+// fails with it at the end of the step.
+func (s *simulation) violate(err error) {
+	if s.violation == nil {
+		s.violation = err
+	}
 }
 
 // workerPass starts one pass of one background job on a relay or worker.
@@ -1092,12 +1140,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	action := &simAction{process: process}
 	s.report.Counts.WorkerPasses++
 	if process.kind == "relay" && s.chance(0.25) {
-		action.what = "reconcileOnce"
-		return s.start(ctx, action, func(ctx context.Context) {
-			n, err := s.app.reconcileOnce(ctx, process.name, 4)
-			action.result = workerResult(n, "republished", err)
-			action.err = err
-		})
+		return s.reconcilePass(ctx, action)
 	}
 	if process.kind == "relay" {
 		action.what = "relayOnce"
@@ -1113,13 +1156,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	consumers := s.app.consumers()
 	switch job := s.rng.IntN(7); job {
 	case 0, 1, 6:
-		c := s.busySometimes(s.failingSometimes(s.releasedWithABug(consumers[min(job, len(consumers)-1)])))
-		action.what = "consumeOnce " + c.name
-		return s.start(ctx, action, func(ctx context.Context) {
-			results, err := s.app.consumeOnce(ctx, c, 4)
-			action.result = workerResult(len(results), "handled", err)
-			action.err = err
-		})
+		return s.consumePass(ctx, action, consumers[min(job, len(consumers)-1)])
 	case 2:
 		action.what = "sagaOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
@@ -1144,6 +1181,32 @@ func (s *simulation) workerPass(ctx context.Context) error {
 			action.err = err
 		})
 	}
+}
+
+// reconcilePass starts a sweep of the reconciler as action, on its
+// process.
+func (s *simulation) reconcilePass(ctx context.Context, action *simAction) error {
+	action.what = "reconcileOnce"
+	return s.start(ctx, action, func(ctx context.Context) {
+		n, err := s.app.reconcileOnce(ctx, action.process.name, 4)
+		action.result = workerResult(n, "republished", err)
+		action.err = err
+	})
+}
+
+// consumePass starts a pass of c as action, c failing as the simulator's
+// consumers do: now and then, or at every delivery of one message, or
+// rejecting one as invalid, or meeting the database busy.
+func (s *simulation) consumePass(ctx context.Context, action *simAction, c consumer) error {
+	c = s.busySometimes(s.failingSometimes(s.failingInARow(s.releasedWithABug(c))))
+	action.what = "consumeOnce " + c.name
+	action.consumer = c.name
+	return s.start(ctx, action, func(ctx context.Context) {
+		results, err := s.app.consumeOnce(ctx, c, 4)
+		action.consumed = results
+		action.result = workerResult(len(results), "handled", err)
+		action.err = err
+	})
 }
 
 // consumerFailuresPerMessage is how often the simulator makes a consumer's
@@ -1818,7 +1881,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 // quiet; then the full check and the clients' view.
 func (s *simulation) quiesce(ctx context.Context) error {
 	s.quiescing = true
-	s.expiryProbe = nil
+	s.poisonRun, s.expiryProbe = nil, nil
 	s.tracef("quiesce: no more faults")
 	s.endOutage(s.network)
 	s.endOutage(s.brokerNetwork)
@@ -1839,6 +1902,9 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		if err := s.resume(ctx, s.actions[turn%len(s.actions)]); err != nil {
 			return err
 		}
+	}
+	if s.violation != nil {
+		return s.violation
 	}
 	// Every client asks once more for each refund it was answered: the
 	// same answer while the key lives, a day from when it was settled.
@@ -1891,6 +1957,9 @@ func (s *simulation) quiesce(ctx context.Context) error {
 		repaired, err := s.repairWhileQuiet(ctx)
 		if err != nil {
 			return err
+		}
+		if s.violation != nil {
+			return s.violation
 		}
 		busy = busy || repaired
 		if !busy && waitedForDelivery {
@@ -2132,8 +2201,9 @@ message after a week included) or that the broker loses, a broker that
 delivers a batch out of order, loses acks and gets publishes twice, orders
 for exactly the stock that remains, retries at a key's expiry (or a
 microsecond before) and of a create whose transaction spanned a clock move,
-refunds given up on after a processor timeout, and signed events of a
-real refund with another amount or signed beyond the tolerance. Every
+refunds given up on after a processor timeout, signed events of a real
+refund with another amount or signed beyond the tolerance, and a message
+that fails at every delivery until it is poison. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
 hold and every event marked published must be in the broker; at the end the

@@ -410,8 +410,15 @@ type simBroker struct {
 }
 
 // publishBatch publishes, and sometimes publishes again, as a relay whose
-// answer was lost would.
+// answer was lost would. It remembers what it acknowledged.
 func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
+	if len(msgs) > 0 && msgs[0].PublishID != "" {
+		// The reconciler's copies, claimed a moment ago: only of messages
+		// a consumer has not received (simulate_poison.go).
+		if err := b.s.checkRepublishedUndelivered(ctx, msgs); err != nil {
+			b.s.violate(err)
+		}
+	}
 	if err := b.messageBroker.publishBatch(ctx, msgs); err != nil {
 		return err
 	}

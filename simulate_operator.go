@@ -159,7 +159,15 @@ func (s *simulation) runRepair(ctx context.Context, repair repairAction) ([]stri
 		results, errs = append(results, found...), append(errs, err)
 	case repairInboxReplay:
 		for _, c := range s.app.consumers() {
+			replayedAt := s.clock.now()
 			found, err := s.app.replayInboxMessages(ctx, operator, inboxReplayTarget{Consumer: c.name, AllPoison: true})
+			if err == nil {
+				// Right after its commit: the replayed events are back in
+				// flight (simulate_poison.go).
+				if err := s.checkReplayedInFlight(ctx, found, replayedAt); err != nil {
+					s.violate(err)
+				}
+			}
 			results, errs = append(results, found...), append(errs, err)
 		}
 	case repairSagaResume:

@@ -102,8 +102,8 @@ func TestSimulation(t *testing.T) {
 		t.Errorf("in %d seeds no replay reached every consumer of its subject", seeds)
 	}
 	if !onPostgres() && seeds >= defaultSimulationSeeds {
-		// The boundary structures: each reached in the first seeds, so
-		// that an oracle that can no longer fail shows.
+		// The boundaries and the poison structures: each reached in the
+		// first seeds, so that an oracle that can no longer fail shows.
 		for _, reached := range []struct {
 			what string
 			n    int
@@ -115,6 +115,9 @@ func TestSimulation(t *testing.T) {
 			{"events signed off our clock within the tolerance", total.SkewedSignatures},
 			{"refunds given up on after a processor timeout", total.GaveUpRefunds},
 			{"events of a real refund with another amount", total.MismatchedAmounts},
+			{"messages failed at every delivery until poison", total.PoisonAtThreshold},
+			{"replays checked back in flight", total.ReplaysInFlight},
+			{"sweeps of the reconciler checked", total.SweepsChecked},
 		} {
 			if reached.n == 0 {
 				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
