@@ -149,12 +149,16 @@ func TestSimulation(t *testing.T) {
 // request that held it stands); 404, a relay paused a week between its
 // publish and its record (the published-in-broker check asks what the
 // broker acknowledged, not what it still holds); 375, where cleanup deleted the broker's copy of a
-// replay the broker had lost (a lost replay counts as lost there).
+// replay the broker had lost (a lost replay counts as lost there); 88,
+// where a refund refused as reused, because a create held its key, was
+// retried once quiet after the create's key had expired and got its
+// order's answer (a refusal as reused binds only while the holder
+// certainly holds the key).
 func TestSimulationSeedsThatFailedTheSimulator(t *testing.T) {
 	if onPostgres() {
 		t.Skip("these seeds are SQLite's runs")
 	}
-	for _, seed := range []uint64{1779, 686, 695, 404, 375} {
+	for _, seed := range []uint64{1779, 686, 695, 404, 375, 88} {
 		path, remove, err := simulationDatabase()
 		if err != nil {
 			t.Fatal(err)
@@ -184,6 +188,8 @@ var longSimulationRuns = []struct {
 }{
 	{2, 2000, "a relay paused 168 h at outbox.after_publish recorded events whose broker copies cleanup had deleted meanwhile, " +
 		"and the published-in-broker check took them for events the broker never had"},
+	{9, 2000, "an operator's refund finish, run again after its terminal died, finished a key the first run had left " +
+		"to a request that took it over, and the check counted that key repaired twice"},
 }
 
 // Ensure the long runs that once failed pass (longSimulationRuns). Only
