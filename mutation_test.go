@@ -488,6 +488,70 @@ func mutations() []mutation {
 				{"refund.go", "\terr = withTx(ctx, a.db, func(tx *sql.Tx) error {\n\t\tif err := holdsLease(ctx, tx, req, lease); err != nil {\n\t\t\treturn err\n\t\t}\n\t\tnow := a.now()", "\terr = withTx(ctx, a.db, func(tx *sql.Tx) error {\n\t\tnow := a.now()"},
 			},
 		},
+		{
+			name:    "StockExactRefused",
+			catcher: "TestHotSKUUnderConcurrentSagas",
+			fault:   "review: stock is reserved only while more is available than the order asks for, so an order for exactly what remains is refused and cancelled",
+			edits: []mutationEdit{
+				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)"},
+			},
+		},
+		{
+			name:    "CompleterSkipsReleasedKeys",
+			catcher: "TestHTTPRefundKeyExpiry/CompleterGoesOnPastABadKey",
+			fault:   "review: the refund completer takes only keys whose lease passed, not keys a request released after a processor timeout, so a refund its client gave up on waits for an operator",
+			edits: []mutationEdit{
+				{"refund.go", "WHERE recovery_point <> 'finished' AND (locked_at IS NULL OR locked_at <= ?)", "WHERE recovery_point <> 'finished' AND locked_at <= ?"},
+			},
+		},
+		{
+			name:    "WebhookAmountNotConfirmed",
+			catcher: "TestHTTPWebhookHostile/OnlyRefundsTheProcessorConfirmsAreCounted",
+			fault:   "review: a signed charge.refunded is checked against the processor's refund by its charge only, not its amount, so an event naming a real refund with another amount is counted",
+			edits: []mutationEdit{
+				{"webhook.go", "case chargeID != data.ChargeID || amount != *data.AmountCents:", "case chargeID != data.ChargeID:"},
+			},
+		},
+		{
+			name:    "ReadPathReplaysAtExpiry",
+			catcher: "TestReplayFromReadConnection/ExpiredOrUnfinishedKeyIsNotServed",
+			fault:   "review: the read path replays a key at the very instant it expires (expires_at < now, not <=), while the write path would run the request as new",
+			edits: []mutationEdit{
+				{"idem.go", "key.Status != keyCompleted || key.RecoveryPoint != recoveryFinished || key.ExpiresAt <= formatTime(now)", "key.Status != keyCompleted || key.RecoveryPoint != recoveryFinished || key.ExpiresAt < formatTime(now)"},
+			},
+		},
+		{
+			name:    "CreateKeyExpiresFromClaim",
+			catcher: "TestIdempotencyKeyExpiry/ClockJumpsPastExpiryMidCreate",
+			fault:   "review: a create's key expires a day after its claim, not its answer: a create whose transaction spanned a clock move runs again as new when its retry comes within a day of the answer",
+			edits: []mutationEdit{
+				{"idem.go", "return insertCompletedKey(ctx, tx, req, response, a.now())", "return insertCompletedKey(ctx, tx, req, response, now)"},
+			},
+		},
+		{
+			name:    "PoisonNotDelivered",
+			catcher: "TestDelivery/ReplayTheBrokerLostIsRepublished",
+			fault:   "review: only an applied message counts as received, not one its consumer recorded poison: the reconciler publishes poison messages again and never marks their events delivered",
+			edits: []mutationEdit{
+				{"deliver.go", "AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id))`", "AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id AND i.status = 'done'))`"},
+			},
+		},
+		{
+			name:    "WebhookFutureTimestampAccepted",
+			catcher: "TestVerifyWebhookTolerance",
+			fault:   "review: a webhook signature's age is checked on the past side only, so one signed with a timestamp far in the future is accepted",
+			edits: []mutationEdit{
+				{"webhook.go", "if age > webhookTolerance || age < -webhookTolerance {", "if age > webhookTolerance {"},
+			},
+		},
+		{
+			name:    "PoisonAfterOneMoreFailure",
+			catcher: "TestInbox/TransientFailuresOfOurCodeBecomePoisonAfterMaxDeliveries",
+			fault:   "review: a message becomes poison after maxDeliveries+1 failures of its consumer's own code, not maxDeliveries",
+			edits: []mutationEdit{
+				{"inbox.go", "if maxFailures != noFailureLimit && failures >= maxFailures {", "if maxFailures != noFailureLimit && failures > maxFailures {"},
+			},
+		},
 	}
 }
 

@@ -482,6 +482,14 @@ const orderServiceConsumer = "order-svc"
 // inbox transaction, so the status change and the record that this message
 // was applied commit together. An event that contradicts the order's state
 // is a permanent error: the message becomes poison for an operator.
+//
+// A copy of a result the order already shows (paid with that very charge,
+// or cancelled for that very reason) changes nothing: a copy normally
+// meets its inbox row and is skipped, but cleanup deletes inbox rows after
+// messageRetention, and a copy can come later still (a relay paused a week
+// in the middle of its publish sends it then; on NATS an operator's replay
+// for another consumer reaches every consumer). Poison, it would come back
+// with every replay, as a copy of OrderCreated did (sagaAlreadyStarted).
 func (a *App) applyPaymentResult(ctx context.Context, tx *sql.Tx, msg message) error {
 	switch msg.Subject {
 	case eventPaymentCaptured:
@@ -489,23 +497,34 @@ func (a *App) applyPaymentResult(ctx context.Context, tx *sql.Tx, msg message) e
 		if err := json.Unmarshal(msg.Payload, &payload); err != nil {
 			return permanent(fmt.Errorf("decode %s: %w", msg.Subject, err))
 		}
+		// Refunded since, an order still shows the charge that paid it.
+		paidByIt := func(order orderRow) bool {
+			return (order.Status == orderPaid || order.Status == orderRefunded) && order.ChargeID.String == payload.ChargeID
+		}
 		return setOrderStatus(ctx, tx, payload.OrderID, orderCreated, orderPaid, a.now(),
-			`charge_id = ?`, payload.ChargeID)
+			`charge_id = ?`, payload.ChargeID, paidByIt)
 	case eventOrderCancelled:
 		var payload orderCancelledPayload
 		if err := json.Unmarshal(msg.Payload, &payload); err != nil {
 			return permanent(fmt.Errorf("decode %s: %w", msg.Subject, err))
 		}
+		cancelledByIt := func(order orderRow) bool {
+			return order.Status == orderCancelled && order.CancelReason.String == payload.Reason
+		}
 		return setOrderStatus(ctx, tx, payload.OrderID, orderCreated, orderCancelled, a.now(),
-			`cancel_reason = ?`, payload.Reason)
+			`cancel_reason = ?`, payload.Reason, cancelledByIt)
 	default:
 		return permanent(fmt.Errorf("order service does not handle %s", msg.Subject))
 	}
 }
 
 // setOrderStatus moves an order from one status to another and sets one more
-// column. Returns a permanent error if the order is missing or not in from.
-func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID string, from, to orderStatus, now time.Time, set string, value any) error {
+// column. Returns nil, and changes nothing, if the order is not in from but
+// already shows the change (done is true of it: a copy of a message that
+// its inbox forgot, see applyPaymentResult), and a permanent error if the
+// order is missing or in any other state.
+func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID string, from, to orderStatus, now time.Time, set string, value any,
+	done func(orderRow) bool) error {
 	result, err := tx.ExecContext(ctx,
 		`UPDATE orders SET status = ?, updated_at = ?, `+set+` WHERE order_id = ? AND status = ?`,
 		to, formatTime(now), value, orderID, from)
@@ -522,6 +541,9 @@ func setOrderStatus(ctx context.Context, tx *sql.Tx, orderID string, from, to or
 	order, err := readOrder(ctx, tx, orderID)
 	if err != nil {
 		return permanent(err)
+	}
+	if done(order) {
+		return nil
 	}
 	return permanent(fmt.Errorf("order %s is %s, cannot become %s", orderID, order.Status, to))
 }

@@ -136,6 +136,57 @@ func TestSaga(t *testing.T) {
 		}
 	})
 
+	// Ensure a copy of a payment result (PaymentCaptured, OrderCancelled)
+	// that the order already shows, arriving after cleanup deleted the
+	// order service's inbox row of it, is a duplicate, not poison: a relay
+	// paused a week in the middle of its publish sends its copy after
+	// cleanup forgot the message, and as poison every replay made it
+	// poison again. A result that contradicts the order is still refused.
+	t.Run("PaymentResultAgainAfterCleanupIsADuplicate", func(t *testing.T) {
+		env := MustOpenApp(t)
+		paidID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		cancelledID := createAndDrain(t, env, "k2", orderBody(1200, "sku-2", 1, pmCardDeclined))
+		deliverAgain := func(orderID, eventType string) (message, receiveResult) {
+			t.Helper()
+			var msg message
+			if err := env.app.db.QueryRowContext(ctx, `
+				SELECT event_id, event_type, payload FROM outbox_events WHERE aggregate_id = ? AND event_type = ?`,
+				orderID, eventType).Scan(&msg.ID, &msg.Subject, &msg.Payload); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := env.app.db.ExecContext(ctx, `DELETE FROM inbox_messages WHERE consumer = ? AND message_id = ?`,
+				orderServiceConsumer, msg.ID); err != nil {
+				t.Fatal(err)
+			}
+			result, err := env.app.receive(ctx, orderServiceConsumer, msg.ID, 1, func(tx *sql.Tx) error {
+				return env.app.applyPaymentResult(ctx, tx, msg)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return msg, result
+		}
+		captured, again := deliverAgain(paidID, eventPaymentCaptured)
+		if again.Outcome != inboxApplied {
+			t.Errorf("PaymentCaptured after cleanup: %s (%v); want it applied as the duplicate it is", again.Outcome, again.Err)
+		}
+		if _, again := deliverAgain(cancelledID, eventOrderCancelled); again.Outcome != inboxApplied {
+			t.Errorf("OrderCancelled after cleanup: %s (%v); want it applied as the duplicate it is", again.Outcome, again.Err)
+		}
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, paidID) + "/" +
+			env.str(t, `SELECT status FROM orders WHERE order_id = ?`, cancelledID); got != "paid/cancelled" {
+			t.Fatalf("orders after the copies: %s, want paid/cancelled", got)
+		}
+		other := captured
+		other.ID = "evt_another"
+		other.Payload = []byte(`{"order_id":"` + paidID + `","charge_id":"ch_another","amount_cents":5000}`)
+		if result, err := env.app.receive(ctx, orderServiceConsumer, other.ID, 1, func(tx *sql.Tx) error {
+			return env.app.applyPaymentResult(ctx, tx, other)
+		}); err != nil || result.Outcome != inboxPoison {
+			t.Fatalf("a PaymentCaptured of another charge for a paid order: %s, %v; want poison", result.Outcome, err)
+		}
+	})
+
 	// Ensure a charge whose response is lost is retried with the same key
 	// and charges once.
 	t.Run("TimeoutChargesOnce", func(t *testing.T) {

@@ -24,7 +24,11 @@
 // can reach one consumer of a subject after the other applied the message;
 // and a consumer that records a message poison is held before its ack
 // while the reconciler sweeps and the operator replays it
-// (simulate_consumers.go).
+// (simulate_consumers.go). Some structures land on the value where an
+// answer changes: the last units of stock, a key's expiry to the
+// microsecond, a signature just beyond the tolerance
+// (simulate_boundaries.go), the failure that makes a message poison
+// (simulate_poison.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -124,6 +128,13 @@ type simCounts struct {
 	simForgedCounts
 	// Keys of a counter scheme two users share (simulate_sharedkeys.go).
 	simSharedKeysCounts
+	// The last units of a SKU, retries at a key's expiry, creates whose
+	// transaction spans a clock move, webhooks signed off our clock
+	// (simulate_boundaries.go).
+	simBoundaryCounts
+	// Messages failed at every delivery, and poison's place in delivery
+	// (simulate_poison.go).
+	simPoisonCounts
 	Repairs simRepairCounts
 }
 
@@ -160,11 +171,14 @@ func (c *simCounts) add(other simCounts) {
 	c.AnswersFull += other.AnswersFull
 	c.AbandonedRefunds += other.AbandonedRefunds
 	c.CatchUps += other.CatchUps
+	c.GaveUpRefunds += other.GaveUpRefunds
 	c.FrozenSagaWorkers += other.FrozenSagaWorkers
 	c.simTransientCounts.add(other.simTransientCounts)
 	c.simConsumersCounts.add(other.simConsumersCounts)
 	c.simForgedCounts.add(other.simForgedCounts)
 	c.simSharedKeysCounts.add(other.simSharedKeysCounts)
+	c.simBoundaryCounts.add(other.simBoundaryCounts)
+	c.simPoisonCounts.add(other.simPoisonCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -173,9 +187,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
-		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts)
+		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
+		c.simBoundaryCounts, c.simPoisonCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -214,6 +229,22 @@ type simAction struct {
 	recorder *httptest.ResponseRecorder
 	result   string
 	err      error
+	// waited is set once the action has waited at a fault point;
+	// commitLost once a commit of it landed and its answer was lost.
+	waited, commitLost bool
+	// processorTimedOut is set when a processor call of the action got no
+	// answer (a lost response).
+	processorTimedOut bool
+	// clockMovedFrom and clockMovedTo are set when the clock jumped inside
+	// the transaction of a create that ran alone: from the reading before
+	// the first jump to the one after the last (simulate_boundaries.go).
+	clockMovedFrom, clockMovedTo time.Time
+	// probe is the expiry probe a client request sends, if it is one.
+	probe *simExpiryProbe
+	// consumer is the consumer a consumeOnce pass ran, and consumed what
+	// it did with each message if its batch committed (nil otherwise).
+	consumer string
+	consumed []receiveResult
 }
 
 // simClient is a virtual API client: one user, with the requests it has
@@ -257,6 +288,12 @@ type simRequest struct {
 	// claimed and not settled: its process was killed mid-call, and
 	// nothing ran since (simulate_abandon.go).
 	unsettledAt time.Time
+	// gaveUp is set when the client gave up on this refund after the
+	// processor timed out: it never sends it again (simulate_abandon.go).
+	gaveUp bool
+	// signSkew is how far off our clock a webhook's signature is made
+	// (simulate_boundaries.go).
+	signSkew time.Duration
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -321,8 +358,10 @@ type simulation struct {
 	groupProcess   *simProcess
 	groupReleaseAt int
 	// abandoned is the refund whose process is killed mid-call, until its
-	// client comes back (simulate_abandon.go).
+	// client comes back; timingOut the refund whose processor call loses
+	// its answer, until it is answered (simulate_abandon.go).
 	abandoned *simAbandoned
+	timingOut *simRequest
 	// frozen is the saga pass frozen past its lease, until it wakes up
 	// (simulate_freeze.go).
 	frozen *simFrozen
@@ -343,6 +382,19 @@ type simulation struct {
 	// keyUsers the users who sent each key string (simulate_sharedkeys.go).
 	keyCounters map[string]int
 	keyUsers    map[string][]string
+
+	// lastStock is how much of lastSKU is stocked and asked for;
+	// expiryProbe the retry scheduled at a chosen instant of its key's
+	// life (simulate_boundaries.go).
+	lastStock   simLastStock
+	expiryProbe *simExpiryProbe
+	// poisonRun is the message a consumer fails on at every delivery
+	// (simulate_poison.go).
+	poisonRun *simPoisonRun
+	// violation is the first broken promise found by a check that runs
+	// inside the App's own calls, where an error would be taken for the
+	// App's: the run fails with it at the end of the step.
+	violation error
 }
 
 // simulationSteps is how many steps `go test` runs per seed by default.
@@ -388,6 +440,9 @@ func simulateOnce(ctx context.Context, opts simOptions) (simReport, error) {
 	}
 	s.app = app
 	if err := s.wireLedger(ctx); err != nil {
+		return simReport{}, err
+	}
+	if err := s.stockLastSKU(ctx); err != nil {
 		return simReport{}, err
 	}
 	s.auditor, err = prepareAuditor(ctx, s.direct)
@@ -499,6 +554,7 @@ func (s *simulation) newNetwork(name string) *simDatabase {
 		if s.current != nil {
 			for _, action := range append(s.queuedInGroup(), s.current) {
 				action.sawOutage = true
+				action.commitLost = true
 				if action.request != nil {
 					action.request.commitLostAt = s.clock.now()
 				}
@@ -583,6 +639,9 @@ func (s *simulation) run(ctx context.Context) error {
 		if err := s.oneStep(ctx); err != nil {
 			return err
 		}
+		if s.violation != nil {
+			return s.violation
+		}
 		if err := s.checkInFlight(ctx); err != nil {
 			return err
 		}
@@ -617,6 +676,12 @@ func (s *simulation) oneStep(ctx context.Context) error {
 		return err
 	}
 	if moved, err := s.stepReplayRace(ctx); moved {
+		return err
+	}
+	if sent, err := s.stepExpiryProbe(ctx); sent {
+		return err
+	}
+	if moved, err := s.stepPoisonRun(ctx); moved {
 		return err
 	}
 	roll := s.rng.IntN(100)
@@ -766,14 +831,19 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	if abandoned, err := s.killAbandoned(ctx, action, point); abandoned {
 		return err
 	}
+	if s.timeoutLoses(action, point) {
+		return errors.New("connection reset")
+	}
 	if err := s.brokenDependency(point); err != nil {
 		if point == faultConsumerApply {
 			s.countOwnFailure()
 		}
+		action.processorTimedOut = action.processorTimedOut || point == faultProcessorLoseResponse
 		return err
 	}
 	if point == faultProcessorLoseResponse && s.chance(0.1) {
 		s.report.Counts.LostResponses++
+		action.processorTimedOut = true
 		return errors.New("connection reset")
 	}
 	if err := s.processorUnreachable(point); err != nil {
@@ -808,7 +878,16 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 			// the clock twice in it sees two times.
 			s.report.Counts.ClockJumpsInTx++
 			s.tracef("a%d %s: the clock jumps inside a transaction, at %s", action.id, action.process.name, point)
+			from := s.clock.now()
 			s.jumpClock()
+			if action.request != nil && action.request.kind == "create" && len(s.queuedInGroup()) == 0 {
+				// Its claim read the clock at from or before; its answer
+				// will read it at the clock's now or after.
+				if action.clockMovedFrom.IsZero() {
+					action.clockMovedFrom = from
+				}
+				action.clockMovedTo = s.clock.now()
+			}
 		}
 		if s.network != nil && !s.network.down {
 			switch roll := s.rng.IntN(100); {
@@ -823,6 +902,12 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 				s.network.failCommit = true
 			}
 		}
+		return nil
+	}
+	if s.poisonRun != nil && action.consumer == s.poisonRun.consumer {
+		// A pass of the consumer that fails a message at every delivery
+		// runs straight through: the simulator counts its failures in the
+		// order they commit (simulate_poison.go).
 		return nil
 	}
 	hold := false
@@ -841,6 +926,7 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 	}
 	action.waitingAt = point
 	action.suspendedAt = s.clock.now()
+	action.waited = true
 	s.current = nil
 	if !action.yield(point) {
 		action.crashed = true
@@ -900,6 +986,7 @@ func (s *simulation) waitInQueue(done chan groupOutcome) groupOutcome {
 		}
 		action.waitingAt = groupQueued
 		action.suspendedAt = s.clock.now()
+		action.waited = true
 		s.current = nil
 		if !action.yield(groupQueued) {
 			// The run is over (it failed): stop waiting.
@@ -1026,7 +1113,25 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 		// the database it could not reach.
 		return s.fail("%s %s failed: %v", action.process.name, action.what, action.err)
 	}
+	if action.consumer != "" {
+		return s.judgePoisonRun(action)
+	}
+	if action.what == "reconcileOnce" && action.err == nil && !action.crashed && !action.waited {
+		// A sweep that ran straight through: its marks are the last word
+		// on the inboxes as they are now.
+		return s.checkReceivedMarkedDelivered(ctx)
+	}
 	return nil
+}
+
+// violate records the first broken promise that a check found inside the
+// App's own calls (a broker's publish, an operator's repair), where
+// returning it would make the App take it for its own error: the run
+// fails with it at the end of the step.
+func (s *simulation) violate(err error) {
+	if s.violation == nil {
+		s.violation = err
+	}
 }
 
 // workerPass starts one pass of one background job on a relay or worker.
@@ -1035,12 +1140,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	action := &simAction{process: process}
 	s.report.Counts.WorkerPasses++
 	if process.kind == "relay" && s.chance(0.25) {
-		action.what = "reconcileOnce"
-		return s.start(ctx, action, func(ctx context.Context) {
-			n, err := s.app.reconcileOnce(ctx, process.name, 4)
-			action.result = workerResult(n, "republished", err)
-			action.err = err
-		})
+		return s.reconcilePass(ctx, action)
 	}
 	if process.kind == "relay" {
 		action.what = "relayOnce"
@@ -1056,13 +1156,7 @@ func (s *simulation) workerPass(ctx context.Context) error {
 	consumers := s.app.consumers()
 	switch job := s.rng.IntN(7); job {
 	case 0, 1, 6:
-		c := s.busySometimes(s.failingSometimes(s.releasedWithABug(consumers[min(job, len(consumers)-1)])))
-		action.what = "consumeOnce " + c.name
-		return s.start(ctx, action, func(ctx context.Context) {
-			results, err := s.app.consumeOnce(ctx, c, 4)
-			action.result = workerResult(len(results), "handled", err)
-			action.err = err
-		})
+		return s.consumePass(ctx, action, consumers[min(job, len(consumers)-1)])
 	case 2:
 		action.what = "sagaOnce"
 		return s.start(ctx, action, func(ctx context.Context) {
@@ -1087,6 +1181,32 @@ func (s *simulation) workerPass(ctx context.Context) error {
 			action.err = err
 		})
 	}
+}
+
+// reconcilePass starts a sweep of the reconciler as action, on its
+// process.
+func (s *simulation) reconcilePass(ctx context.Context, action *simAction) error {
+	action.what = "reconcileOnce"
+	return s.start(ctx, action, func(ctx context.Context) {
+		n, err := s.app.reconcileOnce(ctx, action.process.name, 4)
+		action.result = workerResult(n, "republished", err)
+		action.err = err
+	})
+}
+
+// consumePass starts a pass of c as action, c failing as the simulator's
+// consumers do: now and then, or at every delivery of one message, or
+// rejecting one as invalid, or meeting the database busy.
+func (s *simulation) consumePass(ctx context.Context, action *simAction, c consumer) error {
+	c = s.busySometimes(s.failingSometimes(s.failingInARow(s.releasedWithABug(c))))
+	action.what = "consumeOnce " + c.name
+	action.consumer = c.name
+	return s.start(ctx, action, func(ctx context.Context) {
+		results, err := s.app.consumeOnce(ctx, c, 4)
+		action.consumed = results
+		action.result = workerResult(len(results), "handled", err)
+		action.err = err
+	})
 }
 
 // consumerFailuresPerMessage is how often the simulator makes a consumer's
@@ -1142,10 +1262,24 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			return err
 		}
 	}
+	if s.timingOut == nil && s.chance(0.03) {
+		// A refund of a paid order whose processor answer is lost; its
+		// client gives up (simulate_abandon.go).
+		if sent, err := s.timeOutRefund(ctx, client); sent || err != nil {
+			return err
+		}
+	}
 	if s.chance(forgedRefundChance) {
 		// A forged refund event of a paid order, while the processor's
 		// API is down (simulate_forged.go).
 		if sent, err := s.sendForgedDuringOutage(ctx, client); sent || err != nil {
+			return err
+		}
+	}
+	if s.chance(expiryProbeChance) {
+		// A retry at its key's expiry, or a microsecond before
+		// (simulate_boundaries.go).
+		if sent, err := s.probeKeyExpiry(ctx); sent || err != nil {
 			return err
 		}
 	}
@@ -1161,7 +1295,9 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		// some under a key already taken, which fail in the batch.
 		req = s.queuedCreate(client)
 	case roll < 35 || len(client.requests) == 0:
-		req = s.newCreate(client)
+		if req = s.lastStockCreate(client); req == nil {
+			req = s.newCreate(client)
+		}
 	case roll < 60:
 		// Mostly one of the last few: a client retries what just timed
 		// out, or what it sent before its process restarted.
@@ -1170,8 +1306,9 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 			recent = recent[len(recent)-3:]
 		}
 		req = pick(s, recent)
-		if req.kind == "webhook" && s.processorGaveUp(req) {
-			// Its retry window is over: the processor sends it no more.
+		if (req.kind == "webhook" && s.processorGaveUp(req)) || req.gaveUp {
+			// Its retry window is over: the processor sends it no more. Or
+			// its client gave up on it.
 			req = s.newCreate(client)
 			break
 		}
@@ -1196,7 +1333,13 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 	case roll < 90:
 		req = s.newHostile(client)
 	default:
-		req = s.newWebhook(ctx, client)
+		if s.chance(0.25) {
+			// An event signed too far off our clock (simulate_boundaries.go).
+			req = s.newStaleSignature(client)
+		}
+		if req == nil {
+			req = s.newWebhook(ctx, client)
+		}
 		if req == nil {
 			req = s.newCreate(client)
 		}
@@ -1242,6 +1385,12 @@ func sameRequest(client *simClient, req *simRequest) *simRequest {
 
 // sendRequest has client send req.
 func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *simRequest) error {
+	return s.sendRequestProbing(ctx, client, req, nil)
+}
+
+// sendRequestProbing has client send req, as the retry probe sends, if
+// probe is set (simulate_boundaries.go).
+func (s *simulation) sendRequestProbing(ctx context.Context, client *simClient, req *simRequest, probe *simExpiryProbe) error {
 	if len(req.answers) == 0 && req.inFlight == 0 && !containsRequest(client.requests, req) {
 		client.requests = append(client.requests, req)
 	}
@@ -1251,7 +1400,7 @@ func (s *simulation) sendRequest(ctx context.Context, client *simClient, req *si
 		// The batch being held is this process's.
 		process = s.groupProcess
 	}
-	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(),
+	action := &simAction{process: process, request: req, recorder: httptest.NewRecorder(), probe: probe,
 		what: fmt.Sprintf("%s %s %s key=%s %s", client.name, req.method, req.path, req.key, req.body)}
 	s.sending(action)
 	return s.start(ctx, action, func(ctx context.Context) {
@@ -1295,7 +1444,11 @@ func (s *simulation) reuseKey(client *simClient) *simRequest {
 		req = s.newCreate(client)
 	}
 	req.key = earlier.key
-	return sameRequest(client, req)
+	if same := sameRequest(client, req); !same.gaveUp {
+		return same
+	}
+	// The very request its client gave up on: it never sends it again.
+	return s.newCreate(client)
 }
 
 // containsRequest reports whether requests holds req.
@@ -1421,6 +1574,11 @@ func (s *simulation) newWebhook(ctx context.Context, client *simClient) *simRequ
 	req := s.newRefundEvent(client, n, kind, chargeID, refundID, orderID, refundAmount)
 	if req != nil && kind == "dashboard" {
 		s.model.dashboard[orderID] = append(s.model.dashboard[orderID], req)
+		if mismatched := s.mismatchedAmount(client, req, chargeID, refundID, amount-refunded); mismatched != nil {
+			// Sent first; the processor's own event comes later
+			// (simulate_forged.go).
+			return mismatched
+		}
 	}
 	return req
 }
@@ -1461,7 +1619,7 @@ func (s *simulation) newRefundEvent(client *simClient, n int, kind, chargeID, re
 		return nil
 	}
 	req := &simRequest{client: client, kind: "webhook", method: "POST", path: "/webhooks/processor", body: string(event),
-		eventID: eventID, eventKind: kind, refundAmount: amount, orderID: orderID}
+		eventID: eventID, eventKind: kind, refundAmount: amount, orderID: orderID, signSkew: s.signingSkew()}
 	s.webhooks = append(s.webhooks, eventID)
 	s.events[eventID] = req
 	s.report.Counts.Webhooks++
@@ -1476,6 +1634,10 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	req.inFlight--
 	req.lastEnd = s.clock.now()
 	req.lastDropped = action.crashed
+	timedOutOnPurpose := req == s.timingOut
+	if timedOutOnPurpose {
+		s.timingOut = nil
+	}
 	if action.crashed {
 		s.tracef("a%d %s %s: connection dropped", action.id, action.process.name, action.what)
 		return nil
@@ -1498,6 +1660,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			// its event may come while our refund is still pending.
 			s.announceOwnRefund(ctx, req)
 		}
+		if req.kind == "refund" && action.processorTimedOut {
+			s.giveUpRefund(req, timedOutOnPurpose)
+		}
 		// A create has nothing transient to wait for but its database. (A
 		// refund may wait for the processor, a webhook for its order's
 		// payment to be recorded.)
@@ -1510,9 +1675,14 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 	// when the answer was stored at least, which is no earlier than the
 	// first send of the key's life. (A webhook has no key: its redelivery
 	// is answered "duplicate".)
-	if definitive(answer) && req.kind != "webhook" {
+	if definitive(answer) && req.kind != "webhook" && req.kind != "stale-signed" {
+		// A refusal as reused binds only while another request certainly
+		// holds the key: once the holder's key may have expired (a day
+		// from its answer, which may fall within a day of req's first
+		// send), req may run. The model judges the refusals themselves.
+		_, held := s.model.keyHolders(req, action.sentAt, answer.at)
 		for _, earlier := range req.answers[:len(req.answers)-1] {
-			if freedSince(req, earlier) {
+			if freedSince(req, earlier) || (!held && refusedAsReused(earlier)) {
 				continue
 			}
 			if definitive(earlier) && earlier.body != answer.body && earlier.lifeStart.Equal(answer.lifeStart) &&
@@ -1528,6 +1698,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			return s.fail("hostile body %s got %d, want 400: %s", req.body, answer.status, answer.body)
 		}
 	case "create":
+		if !action.clockMovedFrom.IsZero() {
+			s.probeClockMovedCreate(action, answer)
+		}
 		if answer.status == http.StatusCreated {
 			orderID := orderField([]byte(answer.body), "order_id")
 			if orderID == "" {
@@ -1553,6 +1726,7 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		if answer.status == http.StatusOK && orderField([]byte(answer.body), "refund_id") == "" {
 			return s.fail("a refund 200 without a refund id: %s", answer.body)
 		}
+		s.probeRefundExpiry(req, answer)
 		// A refund key replays its answer for a day from that answer; only
 		// then may it be refused as expired.
 		if answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyExpired {
@@ -1571,6 +1745,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 			}
 		}
 	}
+	if err := s.judgeProbe(action, answer); err != nil {
+		return err
+	}
 	return s.model.judge(s, action, answer)
 }
 
@@ -1585,6 +1762,11 @@ func definitive(answer simAnswer) bool {
 	return answer.status != http.StatusConflict || (kind != problemKeyInProgress && kind != problemPaymentPending)
 }
 
+// refusedAsReused reports whether answer refused its key as reused.
+func refusedAsReused(answer simAnswer) bool {
+	return answer.status == http.StatusUnprocessableEntity && problemType(orderField([]byte(answer.body), "type")) == problemKeyReused
+}
+
 // freedSince reports whether earlier, an answer req got, was a refusal of
 // its key as reused by another request of its client (whose answer the
 // key does not store) that has since freed the key: it was refused as too
@@ -1592,7 +1774,7 @@ func definitive(answer simAnswer) bool {
 // nothing under the key. The key is then new again, and req may get
 // another answer.
 func freedSince(req *simRequest, earlier simAnswer) bool {
-	if earlier.status != http.StatusUnprocessableEntity || problemType(orderField([]byte(earlier.body), "type")) != problemKeyReused {
+	if !refusedAsReused(earlier) {
 		return false
 	}
 	for _, other := range req.client.requests {
@@ -1699,6 +1881,7 @@ func (s *simulation) checkInFlight(ctx context.Context) error {
 // quiet; then the full check and the clients' view.
 func (s *simulation) quiesce(ctx context.Context) error {
 	s.quiescing = true
+	s.poisonRun, s.expiryProbe = nil, nil
 	s.tracef("quiesce: no more faults")
 	s.endOutage(s.network)
 	s.endOutage(s.brokerNetwork)
@@ -1720,6 +1903,9 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			return err
 		}
 	}
+	if s.violation != nil {
+		return s.violation
+	}
 	// Every client asks once more for each refund it was answered: the
 	// same answer while the key lives, a day from when it was settled.
 	for _, client := range s.clients {
@@ -1730,6 +1916,10 @@ func (s *simulation) quiesce(ctx context.Context) error {
 				}
 			}
 		}
+	}
+	released, err := s.releasedGaveUp(ctx)
+	if err != nil {
+		return err
 	}
 	waitedForDelivery := false
 	for round := 0; ; round++ {
@@ -1743,7 +1933,7 @@ func (s *simulation) quiesce(ctx context.Context) error {
 				// earlier one was answered: its client does not know what
 				// it did.
 				inDoubt := undecided(req) || (req.lastDropped && req.kind != "hostile")
-				if !inDoubt || (req.kind == "webhook" && s.processorGaveUp(req)) {
+				if !inDoubt || (req.kind == "webhook" && s.processorGaveUp(req)) || req.gaveUp {
 					continue
 				}
 				busy = true
@@ -1759,9 +1949,17 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 			busy = busy || n > 0
 		}
+		if round == 0 {
+			if err := s.checkCompleterFinished(ctx, released); err != nil {
+				return err
+			}
+		}
 		repaired, err := s.repairWhileQuiet(ctx)
 		if err != nil {
 			return err
+		}
+		if s.violation != nil {
+			return s.violation
 		}
 		busy = busy || repaired
 		if !busy && waitedForDelivery {
@@ -1829,7 +2027,7 @@ func (s *simulation) refusedOnPurpose(v violation) bool {
 // undecided reports whether the client still waits for a definitive answer
 // to req: none yet, or only "in progress" and "try again".
 func undecided(req *simRequest) bool {
-	if req.kind == "hostile" {
+	if req.kind == "hostile" || req.kind == "stale-signed" {
 		return false
 	}
 	if len(req.answers) == 0 {
@@ -1855,8 +2053,8 @@ func (s *simulation) send(ctx context.Context, action *simAction) {
 	req := action.request
 	httpReq := httptest.NewRequestWithContext(ctx, req.method, req.path, strings.NewReader(req.body))
 	httpReq.Header.Set("Content-Type", "application/json")
-	if req.kind == "webhook" {
-		httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now(), []byte(req.body)))
+	if req.kind == "webhook" || req.kind == "stale-signed" {
+		httpReq.Header.Set(signatureHeader, signWebhook(s.secret, s.clock.now().Add(req.signSkew), []byte(req.body)))
 	} else {
 		httpReq.Header.Set("Authorization", "Bearer "+req.client.apiKey)
 		httpReq.Header.Set("Idempotency-Key", req.key)
@@ -1999,8 +2197,13 @@ again a day later, saga workers frozen past their lease, a second consumer
 of OrderCreated (a ledger) that a lost message may miss while the payment
 service applied it, a poison message replayed before its consumer's ack,
 replays that reach every consumer of the subject (one whose inbox forgot the
-message after a week included) or that the broker loses, and a broker that
-delivers a batch out of order, loses acks and gets publishes twice. Every
+message after a week included) or that the broker loses, a broker that
+delivers a batch out of order, loses acks and gets publishes twice, orders
+for exactly the stock that remains, retries at a key's expiry (or a
+microsecond before) and of a create whose transaction spanned a clock move,
+refunds given up on after a processor timeout, signed events of a real
+refund with another amount or signed beyond the tolerance, and a message
+that fails at every delivery until it is poison. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
 hold and every event marked published must be in the broker; at the end the

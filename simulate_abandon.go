@@ -1,4 +1,5 @@
-// A refund abandoned mid-call and finished a day later, in the simulator.
+// A refund abandoned mid-call and finished a day later, in the simulator;
+// and a refund its client gave up on after the processor timed out.
 //
 // A client asks for a refund of an order that was paid a while ago. The
 // serve process is killed in the middle of it: after the refund's key is
@@ -21,6 +22,12 @@
 // client's retry or the completer within minutes, before any clock jump
 // of a day. So the structure first lets the workers catch up (a calm
 // hour, with every dependency up), as they do between bursts of trouble.
+//
+// A client that gives up. A refund's processor call loses its answer: the
+// request answers 503 and releases its key, and its client never asks
+// again. Nobody but the refund completer is left to finish it, and, until
+// it does, the pending refund holds back what remains of the order for a
+// refund under another key (timeOutRefund, giveUpRefund).
 
 package main
 
@@ -188,12 +195,120 @@ func (s *simulation) paidOrder(ctx context.Context, client *simClient) (string, 
 	return pick(s, paid), true
 }
 
-// String says how often a run reached the structure, for the summary.
-func (a simAbandonedCounts) String() string {
-	return fmt.Sprintf("%d refunds abandoned mid-call and asked for again a day later (%d catch-ups of the workers)", a.AbandonedRefunds, a.CatchUps)
+// timeOutRefund runs the second structure: the workers catch up, client
+// refunds one of its paid orders, and the processor's answer to the
+// refund is lost (timeoutLoses); the client, answered 503, gives up on it
+// (giveUpRefund). It reports whether it sent one.
+//
+// Left to chance, a refund's processor call almost never lost its
+// answer in a run (one processor answer in ten is lost, and refunds are
+// mostly refused as too early, before they reach the processor), and
+// when it did, the client's retry finished it.
+func (s *simulation) timeOutRefund(ctx context.Context, client *simClient) (bool, error) {
+	if s.timingOut != nil || s.abandoned != nil || len(client.orders) == 0 || s.operator.broken != "" || s.groupProcess != nil {
+		return false, nil
+	}
+	for _, network := range []*simDatabase{s.network, s.brokerNetwork} {
+		if network != nil && (network.down || network.diskFull) {
+			return false, nil
+		}
+	}
+	if err := s.catchUp(ctx); err != nil {
+		return false, err
+	}
+	orderID, ok := s.paidOrder(ctx, client)
+	if !ok {
+		return false, nil
+	}
+	req := s.newRefund(client, orderID)
+	s.timingOut = req
+	return true, s.sendRequest(ctx, client, req)
 }
 
-// simAbandonedCounts count the structure in a run.
+// timeoutLoses is the fault hook's part of the structure: the processor's
+// answer to the timing-out refund is lost. It reports whether it lost it.
+func (s *simulation) timeoutLoses(action *simAction, point faultPoint) bool {
+	if point != faultProcessorLoseResponse || s.timingOut == nil || action.request != s.timingOut || action.processorTimedOut {
+		return false
+	}
+	s.report.Counts.LostResponses++
+	action.processorTimedOut = true
+	s.tracef("a%d %s: the processor's answer to the refund under %s is lost", action.id, action.process.name, action.request.key)
+	return true
+}
+
+// giveUpRefund has req's client give up on req, a refund just answered
+// 503 because the processor's answer was lost (always, for the refund
+// timeOutRefund sent; half the time for any other): the refund may have
+// been made or not, its key is released (refundOrder), and the client
+// never asks again, not even once the run is quiet. Only the refund
+// completer can then finish it (or set it aside for an operator), and
+// until it does, the refund counts against what remains for a refund
+// under another key. Once quiet, check says no refund is pending and the
+// processor holds what our side says it kept: nothing refunded twice, or
+// lost. Without it every refund cut off by a timeout was finished by its
+// client's retry, at the latest once quiet, and a completer that never
+// took a released key passed.
+func (s *simulation) giveUpRefund(req *simRequest, always bool) {
+	if req.gaveUp || s.quiescing || (!always && !s.chance(0.5)) {
+		return
+	}
+	req.gaveUp = true
+	s.report.Counts.GaveUpRefunds++
+	s.tracef("%s gives up on the refund under %s after the processor timed out: it never asks again", req.client.name, req.key)
+}
+
+// releasedGaveUp returns the refunds their clients gave up on whose keys
+// are unfinished and released (held by nobody, not set aside), read as
+// the run is made quiet: the refund completer's next pass must take
+// them.
+func (s *simulation) releasedGaveUp(ctx context.Context) ([]*simRequest, error) {
+	var released []*simRequest
+	for _, client := range s.clients {
+		for _, req := range client.requests {
+			if !req.gaveUp {
+				continue
+			}
+			var free bool
+			err := s.direct.QueryRowContext(ctx, `
+				SELECT EXISTS (SELECT 1 FROM idempotency_keys
+				               WHERE user_id = ? AND idempotency_key = ? AND recovery_point <> 'finished' AND locked_at IS NULL)`,
+				client.user, req.key).Scan(&free)
+			if err != nil {
+				return nil, fmt.Errorf("read the key %s: %w", req.key, err)
+			}
+			if free {
+				released = append(released, req)
+			}
+		}
+	}
+	return released, nil
+}
+
+// checkCompleterFinished fails the run unless the workers' first round
+// once quiet, with nothing failing, finished each refund of released: the
+// refund completer takes a released key at once, and a refund whose
+// client gave up must not wait for an operator's refund finish.
+func (s *simulation) checkCompleterFinished(ctx context.Context, released []*simRequest) error {
+	for _, req := range released {
+		if !s.keyFinished(ctx, req.client.user+"/"+req.key) {
+			return s.fail("the refund under %s of %s, released after the processor timed out and given up on by its client, "+
+				"was not finished by the refund completer's passes once quiet: only an operator's refund finish would", req.key, req.client.user)
+		}
+	}
+	return nil
+}
+
+// String says how often a run reached the structures, for the summary.
+func (a simAbandonedCounts) String() string {
+	return fmt.Sprintf("%d refunds abandoned mid-call and asked for again a day later (%d catch-ups of the workers), "+
+		"%d refunds given up on after a processor timeout", a.AbandonedRefunds, a.CatchUps, a.GaveUpRefunds)
+}
+
+// simAbandonedCounts count the structures in a run.
 type simAbandonedCounts struct {
 	AbandonedRefunds, CatchUps int
+	// GaveUpRefunds counts the refunds whose client gave up on them after
+	// a processor timeout (giveUpRefund).
+	GaveUpRefunds int
 }

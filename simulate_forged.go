@@ -20,6 +20,13 @@
 // unanswered about one time in three (simulate_transient.go). So the structure
 // aims the event at an order already paid, with no refund pending, and
 // sends it at once, inside the outage.
+//
+// A real refund with the wrong amount. The processor made a refund at its
+// dashboard, and a signed event names that very refund with an amount it
+// did not make it of, one cent off, within what remains of the charge,
+// before the processor's own event for it arrives (mismatchedAmount). The
+// refund exists, so only its amount tells; the event must be poison, and
+// the processor's own then applied.
 
 package main
 
@@ -35,6 +42,10 @@ type simForgedCounts struct {
 	// ForgedRefunds the signed events for refunds it never made sent
 	// during one; RetrievesRefused the retrieves that timed out in them.
 	ProcessorOutages, ForgedRefunds, RetrievesRefused int
+	// MismatchedAmounts counts the signed events naming a refund the
+	// processor made, with an amount it did not make it of
+	// (mismatchedAmount).
+	MismatchedAmounts int
 }
 
 // add adds other's counts to c.
@@ -42,12 +53,14 @@ func (c *simForgedCounts) add(other simForgedCounts) {
 	c.ProcessorOutages += other.ProcessorOutages
 	c.ForgedRefunds += other.ForgedRefunds
 	c.RetrievesRefused += other.RetrievesRefused
+	c.MismatchedAmounts += other.MismatchedAmounts
 }
 
 // String is the summary line's part.
 func (c simForgedCounts) String() string {
-	return fmt.Sprintf("%d outages of the processor's API (%d retrieves timed out) with %d forged refund events of paid orders",
-		c.ProcessorOutages, c.RetrievesRefused, c.ForgedRefunds)
+	return fmt.Sprintf("%d outages of the processor's API (%d retrieves timed out) with %d forged refund events of paid orders, "+
+		"%d signed events of a real refund with an amount the processor did not make it of",
+		c.ProcessorOutages, c.RetrievesRefused, c.ForgedRefunds, c.MismatchedAmounts)
 }
 
 // forgedRefundChance is the chance, per client request, that a forged
@@ -85,6 +98,45 @@ func (s *simulation) sendForgedDuringOutage(ctx context.Context, client *simClie
 	s.tracef("the processor's API is down until step %d; a signed event %s announces refund %s of %d of %s, which it never made",
 		s.processorDownUntil, event.eventID, refundID, amount, orderID)
 	return true, s.sendRequest(ctx, client, event)
+}
+
+// mismatchedAmount returns, half the time, a signed charge.refunded
+// event that names real, a refund the processor just made at its
+// dashboard, with an amount it did not make it of (one cent less, or
+// more, within what remains of the charge, remaining): someone who saw
+// the refund and holds the secret, or a processor's bug. It goes first,
+// before the processor's own event for the refund, which is queued to be
+// delivered later (s.announced). It must not be applied: poison once the
+// processor says the refund is of another amount, and the processor's own
+// event is then applied as usual. nil if not this time, or no amount
+// fits.
+//
+// Left to chance, the simulator's signed events named a refund the
+// processor made with its very amount, or a refund it never made: the
+// amount the processor confirms was never the only thing wrong, and a
+// check of the refund's existence alone passed every seed.
+func (s *simulation) mismatchedAmount(client *simClient, real *simRequest, chargeID, refundID string, remaining int64) *simRequest {
+	if !s.chance(0.5) {
+		return nil
+	}
+	amount := real.refundAmount - 1
+	if amount < 1 {
+		amount = real.refundAmount + 1
+	}
+	if amount > remaining {
+		return nil
+	}
+	event := s.newRefundEvent(client, len(s.webhooks)+1, "made-up", chargeID, refundID, real.orderID, amount)
+	if event == nil {
+		return nil
+	}
+	s.refusedEvents = append(s.refusedEvents, event.eventID)
+	s.announced = append(s.announced, real)
+	real.client.requests = append(real.client.requests, real)
+	s.report.Counts.MismatchedAmounts++
+	s.tracef("a signed event %s says refund %s of %s is %d; the processor made it of %d, and announces it as %s",
+		event.eventID, refundID, real.orderID, amount, real.refundAmount, real.eventID)
+	return event
 }
 
 // processorUnreachable fails every retrieve at the processor while its

@@ -51,7 +51,7 @@ type simModel struct {
 	orders    map[string]*modelOrder
 	orderList []*modelOrder
 	// stocked is what the warehouse holds of each sku; demand what every
-	// create sent so far may take of it.
+	// create sent so far may take of it (see sent).
 	stocked, demand map[string]int64
 	// dashboard are the refunds made at the processor's dashboard, by
 	// order id (an order may be told of only after its refund was made).
@@ -91,7 +91,11 @@ func (m *simModel) sent(req *simRequest, at time.Time) {
 			m.keys[id] = append(m.keys[id], req)
 		}
 	}
-	if req.kind == "create" {
+	// A create asks for its items once while its key certainly lives: a
+	// day from its first send (a claim is no earlier, and a key lives a
+	// day from its answer, which is later still). After that any send may
+	// find the key expired and make another order: each counts again.
+	if req.kind == "create" && (req.sends == 0 || !at.Before(req.firstSentAt.Add(idempotencyKeyTTL))) {
 		if body, err := decodeOrderRequest([]byte(req.body)); err == nil {
 			for _, item := range body.Items {
 				m.demand[item.SKU] += item.Qty
@@ -213,6 +217,16 @@ func (m *simModel) judge(s *simulation, action *simAction, answer simAnswer) err
 		return nil
 	case "webhook":
 		return m.judgeWebhook(s, req, answer)
+	case "stale-signed":
+		if answer.status != http.StatusBadRequest || kind != problemBadSignature {
+			side := "ahead of"
+			if req.signSkew < 0 {
+				side = "behind"
+			}
+			return s.fail("event %s signed %s %s our clock, beyond the %s tolerance, got %d %s, want 400 %s",
+				req.eventID, req.signSkew.Abs(), side, webhookTolerance, answer.status, shorten(answer.body, 160), problemBadSignature)
+		}
+		return nil
 	}
 	may, certain := m.keyHolders(req, action.sentAt, answer.at)
 	if kind == problemKeyReused {

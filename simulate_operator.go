@@ -159,7 +159,15 @@ func (s *simulation) runRepair(ctx context.Context, repair repairAction) ([]stri
 		results, errs = append(results, found...), append(errs, err)
 	case repairInboxReplay:
 		for _, c := range s.app.consumers() {
+			replayedAt := s.clock.now()
 			found, err := s.app.replayInboxMessages(ctx, operator, inboxReplayTarget{Consumer: c.name, AllPoison: true})
+			if err == nil {
+				// Right after its commit: the replayed events are back in
+				// flight (simulate_poison.go).
+				if err := s.checkReplayedInFlight(ctx, found, replayedAt); err != nil {
+					s.violate(err)
+				}
+			}
 			results, errs = append(results, found...), append(errs, err)
 		}
 	case repairSagaResume:
@@ -175,7 +183,9 @@ func (s *simulation) runRepair(ctx context.Context, repair repairAction) ([]stri
 	case repairRefundFinish:
 		found, err := s.app.finishRefunds(ctx, operator)
 		for _, result := range found {
-			if !result.Failed {
+			// A key it left to a request that took it over meanwhile is
+			// not repaired: a second run may finish it.
+			if !result.Failed && s.keyFinished(ctx, result.Target) {
 				results = append(results, result)
 			}
 		}
@@ -193,6 +203,17 @@ func (s *simulation) runRepair(ctx context.Context, repair repairAction) ([]stri
 		}
 	}
 	return targets, nil
+}
+
+// keyFinished reports whether the refund key target ("user/key") is
+// finished, read from the handle no fault reaches.
+func (s *simulation) keyFinished(ctx context.Context, target string) bool {
+	user, key, _ := strings.Cut(target, "/")
+	var finished bool
+	err := s.direct.QueryRowContext(ctx, `
+		SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE user_id = ? AND idempotency_key = ? AND recovery_point = 'finished')`,
+		user, key).Scan(&finished)
+	return err == nil && finished
 }
 
 // withoutSetAside returns violations without those that name an outbox

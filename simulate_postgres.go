@@ -502,6 +502,7 @@ func (s *simulation) postgresCommitLost() {
 	s.tracef("a%d %s: a COMMIT lands, and the server terminates the connection before its answer is read",
 		s.current.id, s.current.process.name)
 	s.current.sawOutage = true
+	s.current.commitLost = true
 	if s.current.request != nil {
 		s.current.request.commitLostAt = s.clock.now()
 	}

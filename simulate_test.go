@@ -106,6 +106,29 @@ func TestSimulation(t *testing.T) {
 	if !onPostgres() && seeds >= defaultSimulationSeeds && total.ReplaysToEvery == 0 {
 		t.Errorf("in %d seeds no replay reached every consumer of its subject", seeds)
 	}
+	if !onPostgres() && seeds >= defaultSimulationSeeds {
+		// The boundaries and the poison structures: each reached in the
+		// first seeds, so that an oracle that can no longer fail shows.
+		for _, reached := range []struct {
+			what string
+			n    int
+		}{
+			{"orders of the last units of " + lastSKU, total.LastStockOrders},
+			{"retries at a key's expiry or a microsecond before", total.ExpiryProbes},
+			{"retries of a create whose transaction spanned a clock move", total.ClockMovedProbes},
+			{"webhooks signed beyond the tolerance", total.StaleSignatures},
+			{"events signed off our clock within the tolerance", total.SkewedSignatures},
+			{"refunds given up on after a processor timeout", total.GaveUpRefunds},
+			{"events of a real refund with another amount", total.MismatchedAmounts},
+			{"messages failed at every delivery until poison", total.PoisonAtThreshold},
+			{"replays checked back in flight", total.ReplaysInFlight},
+			{"sweeps of the reconciler checked", total.SweepsChecked},
+		} {
+			if reached.n == 0 {
+				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
+			}
+		}
+	}
 	// About one seed in a hundred builds the week an operator is away
 	// and then replays to every consumer: CI's thousands must reach it.
 	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysForgotten == 0 {
@@ -129,14 +152,18 @@ func TestSimulation(t *testing.T) {
 // too early (which leaves nothing under the key), and the same create
 // got its 201 (a reuse refusal binds the key's answer only while the
 // request that held it stands); 404, a relay paused a week between its
-// publish and its record (the published-in-broker check looks only at
-// events in flight); 375, where cleanup deleted the broker's copy of a
-// replay the broker had lost (a lost replay counts as lost there).
+// publish and its record (the published-in-broker check asks what the
+// broker acknowledged, not what it still holds); 375, where cleanup deleted the broker's copy of a
+// replay the broker had lost (a lost replay counts as lost there); 88,
+// where a refund refused as reused, because a create held its key, was
+// retried once quiet after the create's key had expired and got its
+// order's answer (a refusal as reused binds only while the holder
+// certainly holds the key).
 func TestSimulationSeedsThatFailedTheSimulator(t *testing.T) {
 	if onPostgres() {
 		t.Skip("these seeds are SQLite's runs")
 	}
-	for _, seed := range []uint64{1779, 686, 695, 404, 375} {
+	for _, seed := range []uint64{1779, 686, 695, 404, 375, 88} {
 		path, remove, err := simulationDatabase()
 		if err != nil {
 			t.Fatal(err)
@@ -150,6 +177,50 @@ func TestSimulationSeedsThatFailedTheSimulator(t *testing.T) {
 		}
 		if report.Failure != "" {
 			t.Fatalf("seed %d failed at step %d: %s\nreplay: %s", seed, report.FailureStep, report.Failure, simulationReplay(seed))
+		}
+	}
+}
+
+// longSimulationRuns are the long runs CI adds to TestSimulation's
+// thousands of short ones (with RETRYSAFE_SIM_SEEDS set): what happens
+// only after hundreds of steps, a week-long clock jump between two steps
+// of one pass, rows that cleanup deletes a week on, a repair of what a
+// long broken stretch set aside. Each once failed; a few seconds each.
+var longSimulationRuns = []struct {
+	seed  uint64
+	steps int
+	why   string
+}{
+	{2, 2000, "a relay paused 168 h at outbox.after_publish recorded events whose broker copies cleanup had deleted meanwhile, " +
+		"and the published-in-broker check took them for events the broker never had"},
+	{9, 2000, "an operator's refund finish, run again after its terminal died, finished a key the first run had left " +
+		"to a request that took it over, and the check counted that key repaired twice"},
+}
+
+// Ensure the long runs that once failed pass (longSimulationRuns). Only
+// with RETRYSAFE_SIM_SEEDS set, as in CI: go test ./... stays quick.
+func TestSimulationLongRuns(t *testing.T) {
+	if os.Getenv(simulationSeedsEnv) == "" {
+		t.Skipf("set %s to run the simulator's long runs too (seconds each)", simulationSeedsEnv)
+	}
+	if onPostgres() {
+		t.Skip("these are SQLite's runs")
+	}
+	for _, run := range longSimulationRuns {
+		path, remove, err := simulationDatabase()
+		if err != nil {
+			t.Fatal(err)
+		}
+		report, err := simulateOnce(context.Background(), simOptions{seed: run.seed, steps: run.steps, path: path})
+		if rerr := remove(); rerr != nil && err == nil {
+			err = rerr
+		}
+		if err != nil {
+			t.Fatalf("seed %d: %v", run.seed, err)
+		}
+		if report.Failure != "" {
+			t.Fatalf("seed %d of %d steps (once: %s) failed at step %d: %s\nreplay: go run . simulate --seed %d --steps %d --trace",
+				run.seed, run.steps, run.why, report.FailureStep, report.Failure, run.seed, run.steps)
 		}
 	}
 }
