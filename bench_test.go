@@ -619,6 +619,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.ReportMetric(float64(percentile(latencies, 50).Microseconds())/1000, "p50-ms")
 			b.ReportMetric(float64(percentile(latencies, 99).Microseconds())/1000, "p99-ms")
 			meter.report(b, b.N, watcher.polls.Load())
+			reportStages(b, apps[0].db)
 		})
 	}
 }
@@ -1044,4 +1045,63 @@ func BenchmarkReconcile(b *testing.B) {
 			}
 		})
 	}
+}
+
+// orderStages are the moments of a paid order's way, each read from the
+// row that records it, in the order they happen. Every stored time comes
+// from the App's clock, the wall clock in a benchmark.
+var orderStages = []struct{ name, query string }{
+	{"created", `o.created_at`},
+	{"OrderCreated published", `(SELECT e.published_at FROM outbox_events e WHERE e.aggregate_id = o.order_id AND e.event_type = 'OrderCreated')`},
+	{"saga started (payment inbox)", `(SELECT s.created_at FROM saga_instances s WHERE s.order_id = o.order_id)`},
+	{"reserve_stock done", `(SELECT t.done_at FROM saga_steps t JOIN saga_instances s ON s.saga_id = t.saga_id WHERE s.order_id = o.order_id AND t.step_name = 'reserve_stock')`},
+	{"charged (processor)", `(SELECT c.created_at FROM processor_charges c WHERE c.order_id = o.order_id)`},
+	{"charge_card done", `(SELECT t.done_at FROM saga_steps t JOIN saga_instances s ON s.saga_id = t.saga_id WHERE s.order_id = o.order_id AND t.step_name = 'charge_card')`},
+	{"confirm done", `(SELECT t.done_at FROM saga_steps t JOIN saga_instances s ON s.saga_id = t.saga_id WHERE s.order_id = o.order_id AND t.step_name = 'confirm')`},
+	{"PaymentCaptured published", `(SELECT e.published_at FROM outbox_events e WHERE e.aggregate_id = o.order_id AND e.event_type = 'PaymentCaptured')`},
+	{"paid (order inbox)", `o.updated_at`},
+}
+
+// reportStages logs, for the paid orders in db, the median time between
+// each stage of an order's way and the one before it (orderStages): where
+// the latency of an order goes.
+func reportStages(b *testing.B, db *sql.DB) {
+	b.Helper()
+	columns := make([]string, len(orderStages))
+	for i, stage := range orderStages {
+		columns[i] = "COALESCE(" + stage.query + ", '')"
+	}
+	rows, err := db.Query(`SELECT ` + strings.Join(columns, ", ") + ` FROM orders o WHERE o.status = 'paid'`)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer rows.Close()
+	gaps := make([][]time.Duration, len(orderStages))
+	for rows.Next() {
+		texts := make([]string, len(orderStages))
+		dest := make([]any, len(texts))
+		for i := range texts {
+			dest[i] = &texts[i]
+		}
+		if err := rows.Scan(dest...); err != nil {
+			b.Fatal(err)
+		}
+		for i := 1; i < len(texts); i++ {
+			from, errFrom := time.Parse(timeFormat, texts[i-1])
+			to, errTo := time.Parse(timeFormat, texts[i])
+			if errFrom == nil && errTo == nil {
+				gaps[i] = append(gaps[i], to.Sub(from))
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		b.Fatal(err)
+	}
+	var text strings.Builder
+	fmt.Fprintf(&text, "where a paid order's time goes (median ms from the stage before):\n")
+	for i := 1; i < len(orderStages); i++ {
+		slices.Sort(gaps[i])
+		fmt.Fprintf(&text, "  %-30s %8.2f  (%d orders)\n", orderStages[i].name, float64(percentile(gaps[i], 50).Microseconds())/1000, len(gaps[i]))
+	}
+	b.Log(text.String())
 }
