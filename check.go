@@ -103,22 +103,24 @@ func invariants(d *dialect) []invariant {
 			WHERE refunded_cents > amount_cents OR NOT ` + d.isInteger("refunded_cents")},
 		{name: "a saga's status agrees with its steps", query: `
 			SELECT s.saga_id || ' of order ' || s.order_id || ' is ' || s.status || ' with steps ' ||
-			       (SELECT string_agg(st.step_name || '=' || st.status, ' ' ORDER BY st.step_index)
-			        FROM saga_steps st WHERE st.saga_id = s.saga_id)
+			       COALESCE((SELECT string_agg(st.step_name || '=' || st.status, ' ' ORDER BY st.step_index)
+			                 FROM saga_steps st WHERE st.saga_id = s.saga_id), 'none run')
 			FROM saga_instances s
-			WHERE CASE s.status
+			-- A step has a row once it has run (done or failed; compensated
+			-- once undone), and the steps run in order: the rows are the
+			-- first steps, without a gap.
+			WHERE EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id
+			              AND st.step_index >= (SELECT COUNT(*) FROM saga_steps c WHERE c.saga_id = s.saga_id))
+			   OR CASE s.status
 			      -- Every step ran.
-			      WHEN 'completed' THEN EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status <> 'done')
-			      -- Going forward: the steps that ran come first, nothing failed or was undone.
-			      WHEN 'in_progress' THEN EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status IN ('failed', 'compensated'))
-			                           OR EXISTS (SELECT 1 FROM saga_steps p JOIN saga_steps d ON d.saga_id = p.saga_id
-			                                      WHERE p.saga_id = s.saga_id AND p.status = 'pending' AND d.status = 'done' AND d.step_index > p.step_index)
-			      -- Going back: exactly one step failed, every step before it ran (and may be undone), none after it ran.
+			      WHEN 'completed' THEN (SELECT COUNT(*) FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status = 'done') <> ` + fmt.Sprint(len(fulfilmentSteps())) + `
+			      -- Going forward: nothing failed or was undone, and a step is left.
+			      WHEN 'in_progress' THEN EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status <> 'done')
+			                           OR (SELECT COUNT(*) FROM saga_steps st WHERE st.saga_id = s.saga_id) >= ` + fmt.Sprint(len(fulfilmentSteps())) + `
+			      -- Going back: the last step that ran failed, and it alone.
 			      ELSE (SELECT COUNT(*) FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status = 'failed') <> 1
 			           OR EXISTS (SELECT 1 FROM saga_steps st JOIN saga_steps f ON f.saga_id = st.saga_id AND f.status = 'failed'
-			                      WHERE st.saga_id = s.saga_id
-			                        AND ((st.step_index < f.step_index AND st.status NOT IN ('done', 'compensated'))
-			                          OR (st.step_index > f.step_index AND st.status <> 'pending')))
+			                      WHERE st.saga_id = s.saga_id AND st.step_index > f.step_index)
 			           -- Compensated: everything that ran is undone.
 			           OR (s.status = 'compensated' AND EXISTS (SELECT 1 FROM saga_steps st WHERE st.saga_id = s.saga_id AND st.status = 'done'))
 			      END`},

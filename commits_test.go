@@ -802,11 +802,13 @@ func TestSagaLoopWaitsAfterAPass(t *testing.T) {
 	app.idle = idleTimes{relay: time.Hour, worker: time.Hour}
 	ts := serveInProcess(t, app, target, true)
 	createPaidOrder(t, benchClient(1), ts.URL, watchFinal(t, target), "one-pass")
-	claims := ledger.snapshot()[commitPlace{loop: "saga", site: "(*App).sagaOnce"}]
-	// The loop's first pass, at start, and the pass the order's saga
-	// started.
-	if claims.commits != 2 || claims.empty != 1 {
-		t.Fatalf("got %d saga claims, %d of them finding nothing; want 2, 1: the one at start", claims.commits, claims.empty)
+	rounds := ledger.snapshot()[commitPlace{loop: "saga", site: "(*App).sagaRound"}]
+	// The loop's first pass, at start, claimed nothing; the pass the
+	// order's saga started claimed it and ran its three steps, one round
+	// each, the last claim finding nothing more. Another pass would be
+	// another round that finds nothing.
+	if rounds.commits != 4 || rounds.empty != 1 {
+		t.Fatalf("got %d saga rounds, %d of them finding nothing; want 4, 1: the one at start", rounds.commits, rounds.empty)
 	}
 }
 

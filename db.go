@@ -380,14 +380,15 @@ func withClaimTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) err
 	return runTx(ctx, db, d, d.claimTxOptions, fn)
 }
 
-// withFencedTx is withTx for a saga's transaction, whose first statement
-// is fenceSaga: an UPDATE of the saga's row, under the worker's lease
-// token, that holds the row's lock until the transaction ends. Every
-// transaction for one saga takes that lock first, so they run one after
-// another whatever the isolation level; what else they write is new rows
-// keyed by the saga or its order, and UPDATEs whose WHERE re-checks, on the
-// locked row, the very condition they rely on (the step still pending, the
-// stock still there). READ COMMITTED on PostgreSQL (d.fencedTxOptions).
+// withFencedTx is withTx for a saga's transaction, whose last statement
+// for each saga is advanceSaga: an UPDATE of the saga's row, under the
+// worker's lease token, which counts only if the token is still the
+// worker's on the row's latest version. What else the transaction writes
+// is new rows keyed by the saga or its order (a step's row is unique), and
+// UPDATEs whose WHERE re-checks, on the locked row, the very condition
+// they rely on (the step done, the stock still there); all of it rolls
+// back if advanceSaga finds the lease lost. READ COMMITTED on PostgreSQL
+// (d.fencedTxOptions).
 func withFencedTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
 	d := dialectOf(db)
 	return runTx(ctx, db, d, d.fencedTxOptions, fn)

@@ -470,10 +470,12 @@ func (d *demo) runSagas(ctx context.Context, orderID string) (sagaRow, []sagaSte
 	if err := d.app.db.QueryRowContext(ctx, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID).Scan(&sagaID); err != nil {
 		return sagaRow{}, nil, fmt.Errorf("find saga of %s: %w", orderID, err)
 	}
-	saga, steps, err := readSaga(ctx, d.app.db, sagaID)
+	saga, recorded, err := readSaga(ctx, d.app.db, sagaID)
 	if err != nil {
 		return sagaRow{}, nil, err
 	}
+	// A step that has not run has no row: it is shown pending.
+	steps := withPendingSteps(recorded)
 	d.say("saga %s: %s", saga.Status, stepsLine(steps))
 	return saga, steps, nil
 }

@@ -44,13 +44,16 @@ type dialect struct {
 	claimTxOptions *sql.TxOptions
 	// fencedTxOptions begin a saga's transactions (withFencedTx).
 	//
-	// On PostgreSQL they run READ COMMITTED. The fencing UPDATE that opens
-	// each one already serializes the transactions of one saga, and a
-	// reservation's "UPDATE stock_items ... WHERE available >= ?" is
-	// re-checked on the row once its lock is granted, so no stock is sold
-	// twice. SERIALIZABLE added nothing to that but failures: two sagas
-	// reserving the same SKU at once, one of them with 40001, again and
-	// again while that SKU was hot.
+	// On PostgreSQL they run READ COMMITTED. Every one ends with the
+	// compare-and-set of advanceSaga, an UPDATE of the saga's row that
+	// re-checks the lease token on the row's latest version once its lock
+	// is granted, so of two transactions for one saga only one counts; a
+	// step's row is unique, so a step is recorded once; and a reservation's
+	// "UPDATE stock_items ... WHERE available >= ?" is re-checked on the row
+	// once its lock is granted, so no stock is sold twice. SERIALIZABLE
+	// added nothing to that but failures: two sagas reserving the same SKU
+	// at once, one of them with 40001, again and again while that SKU was
+	// hot.
 	fencedTxOptions *sql.TxOptions
 	// keyTxOptions and lockKey begin every transaction that claims an
 	// idempotency key (keyTx): createOrder's, and a refund's acquireKey.

@@ -1,14 +1,17 @@
 // The saga engine: how the decisions and steps of saga.go are applied to
 // many sagas at once, by several workers, safely. A first reading can skip
-// it. It claims due sagas under a lease (sagaOnce) and fences every write
-// with the lease's token (fenceSaga: a lease is not a lock, and a worker
-// paused past it must not write). It advances the claimed sagas together,
+// it. It claims due sagas (sagaRound: a read, and on PostgreSQL a row
+// lock until the claiming transaction ends; the claim is written by the
+// saga's first step, or by leaseSagas when that step cannot run there and
+// then), and every write it makes for a saga ends with advanceSaga's
+// compare-and-set on the saga's lease token (saga.go), so a worker paused
+// past its lease writes nothing. It advances the claimed sagas together,
 // in rounds: a round makes its card charges outside any transaction, then
 // runs every saga's step in one transaction with a savepoint per saga, so
 // a round costs one commit, not one per saga; the same commit claims the
-// sagas started meanwhile and reads the next round's. A compensating saga,
-// the rare path, runs compensate on its own: one transaction per undone
-// step.
+// sagas started meanwhile, runs the first step of each, and reads the
+// next round's. A compensating saga, the rare path, runs compensate on
+// its own: one transaction per undone step.
 
 package main
 
@@ -33,12 +36,11 @@ func sagaBackoff(attempts int) time.Duration {
 	return min(time.Second<<min(attempts-1, 6), time.Minute)
 }
 
-// sagaOnce claims up to max runnable sagas under a lease and advances them
-// together, in rounds, each as far as it can go now. A saga is runnable
-// when it is in progress or compensating, due, and not leased to a live
-// worker; so this is also the recovery pass: a saga whose worker died is
-// resumed, forward or backward, once its lease passes. It returns how many
-// sagas it ran.
+// sagaOnce claims up to max runnable sagas and advances them together, in
+// rounds, each as far as it can go now. A saga is runnable when it is in
+// progress or compensating, due, and not leased to a live worker; so this
+// is also the recovery pass: a saga whose worker died is resumed, forward
+// or backward, once its lease passes. It returns how many sagas it ran.
 //
 // A round takes every claimed saga one step: the card calls of the round
 // first, outside any transaction (sagaCalls), then every saga's local step,
@@ -46,29 +48,18 @@ func sagaBackoff(attempts int) time.Duration {
 // (sagaStepIn). One commit per round, not one per saga and step. A
 // compensating saga runs compensate, to its end, in its round.
 //
-// The sagas a round will run are read in the transaction before it: the
-// claim's, then the previous round's, after its steps. That transaction
-// also claims the sagas that became due meanwhile, up to max in all, so a
-// saga started while others are under way joins them at the next round
-// instead of waiting for them to finish; and the pass ends when no claimed
-// saga goes on.
+// The same transaction claims the sagas that became due, up to max in
+// all, and runs the first step of each right away (admitSagas), so a saga
+// started while others are under way joins them at once instead of
+// waiting for them to finish; and reads every saga of the next round. The
+// pass ends when no claimed saga goes on.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var runs []*sagaRun
-	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		var err error
-		runs, err = a.claimSagas(ctx, tx, workerID, max)
-		if err != nil {
-			return err
-		}
-		return a.readSagaRuns(ctx, tx, runs)
-	})
-	if err != nil {
-		return 0, err
-	}
-	claimed := len(runs)
 	var failures []error
-	for len(runs) > 0 {
+	claimed := 0
+	for first := true; first || len(runs) > 0; first = false {
 		var admitted int
+		var err error
 		runs, admitted, err = a.sagaRound(ctx, workerID, max, runs, &failures)
 		if err != nil {
 			return 0, errors.Join(append(failures, err)...)
@@ -78,22 +69,24 @@ func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, erro
 	return claimed, errors.Join(failures...)
 }
 
-// claimSagas claims, in tx, up to max runnable sagas for workerID (see
-// sagaOnce), and returns them in saga id order.
+// claimSagas reads, in tx, up to max runnable sagas for workerID (see
+// sagaOnce) and returns them in saga id order, each with the lease token
+// it had: the claim that the saga's first write will make (advanceSaga,
+// or leaseSagas). On PostgreSQL the rows stay locked until tx ends, so two
+// workers claiming at once take different sagas (SKIP LOCKED); a claim
+// that two workers make anyway (one read the saga before the other's
+// first write committed: on SQLite, never) is settled by that write, and
+// the loser's step rolls back.
 func (a *App) claimSagas(ctx context.Context, tx *sql.Tx, workerID string, max int) ([]*sagaRun, error) {
-	now := a.now()
-	// lease_token + 1: the claim's fencing token (see sagaClaim).
+	now := formatTime(a.now())
 	rows, err := tx.QueryContext(ctx, `
-		UPDATE saga_instances SET locked_by = ?, locked_until = ?, lease_token = lease_token + 1
-		WHERE saga_id IN (
-			SELECT saga_id FROM saga_instances
-			WHERE status IN ('in_progress', 'compensating')
-			  AND next_attempt_at <= ?
-			  AND (locked_until IS NULL OR locked_until <= ?)
-			ORDER BY next_attempt_at
-			LIMIT ? `+skipLocked(a.db)+`)
-		RETURNING saga_id, lease_token`,
-		workerID, formatTime(now.Add(a.leases.saga)), formatTime(now), formatTime(now), max)
+		SELECT saga_id, lease_token FROM saga_instances
+		WHERE status IN ('in_progress', 'compensating')
+		  AND next_attempt_at <= ?
+		  AND (locked_until IS NULL OR locked_until <= ?)
+		ORDER BY next_attempt_at
+		LIMIT ? `+skipLocked(a.db),
+		now, now, max)
 	if err != nil {
 		return nil, fmt.Errorf("claim sagas: %w", err)
 	}
@@ -109,10 +102,30 @@ func (a *App) claimSagas(ctx context.Context, tx *sql.Tx, workerID string, max i
 	if err := rows.Err(); err != nil {
 		return nil, err
 	}
-	// RETURNING gives no order; run them in the order claimed, so that a
-	// pass is the same every time (the simulator replays it from a seed).
+	// Run them in saga id order, so that a pass is the same every time
+	// (the simulator replays it from a seed).
 	sort.Slice(runs, func(i, j int) bool { return runs[i].lease.SagaID < runs[j].lease.SagaID })
 	return runs, nil
+}
+
+// leaseSagas writes, in tx, the claim of each of runs that claimSagas read
+// and whose first step cannot run in the claiming transaction (a charge to
+// ask for, a compensation to run): the lease, and the token moved on, as
+// advanceSaga would. Those whose token moved since (another worker wrote
+// for them) are returned as lost.
+func (a *App) leaseSagas(ctx context.Context, tx *sql.Tx, runs []*sagaRun) (lost map[*sagaRun]bool, err error) {
+	lost = map[*sagaRun]bool{}
+	for _, run := range runs {
+		err := a.advanceSaga(ctx, tx, run.lease, run.saga.Status, false, `updated_at = ?`, formatTime(a.now()))
+		if errors.Is(err, errSagaLeaseLost) {
+			lost[run] = true
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return lost, nil
 }
 
 // sagaWithSteps is a saga and its steps, in step order, as readSagas read
@@ -297,18 +310,18 @@ func (n sagaNext) String() string {
 // sagaRound advances every saga in runs one step, acting on what the
 // transaction before it read of each (run.read; a saga not read there is
 // read first): a compensating saga runs compensate on its own
-// (runCompensation); for the
-// others, the round makes its processor calls, then runs every saga's step
-// in one transaction. It returns the sagas that go on. Every write is
-// fenced by its saga's lease (fenceSaga, in the write's own savepoint), and
-// a status only moves forward (in_progress -> completed, or in_progress ->
-// compensating -> compensated | compensation_failed): a worker acting on
-// what it read before a pause can neither record a step over another
-// worker's nor pull a saga back.
+// (runCompensation); for the others, the round makes its processor calls,
+// then runs every saga's step in one transaction. It returns the sagas
+// that go on. Every write ends with advanceSaga (in the write's own
+// savepoint), and a status only moves forward (in_progress -> completed,
+// or in_progress -> compensating -> compensated | compensation_failed): a
+// worker acting on what it read before a pause can neither record a step
+// over another worker's nor pull a saga back.
 //
 // The round's transaction also claims, for workerID, the sagas that became
-// due, up to max with those that go on, and reads every saga of the next
-// round (readSagaRuns); it returns how many it claimed.
+// due, up to max with those that go on, and runs the first step of each
+// (admitSagas); then it reads every saga of the next round (readSagaRuns).
+// It returns how many it claimed.
 //
 // A saga that fails unexpectedly (a bug, a broken row) is set aside for a
 // minute and reported in failures; it does not hold up the others. Returns
@@ -351,79 +364,69 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		}
 	}
 	runs = stepping
-	if len(runs) == 0 {
-		return again, 0, nil
-	}
 	if err := a.sagaCalls(ctx, runs); err != nil {
 		failSagaSpans(runs, err)
 		return nil, 0, err
 	}
-	var nexts []sagaNext
-	var asides []error
+	var steps, admittedSteps []sagaStepOutcome
 	var admitted []*sagaRun
 	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
-		nexts, asides = make([]sagaNext, len(runs)), make([]error, len(runs))
-		for i, run := range runs {
-			switch {
-			case run.called && errors.Is(run.callErr, errSagaLeaseLost):
-				nexts[i] = sagaLeft
-			case run.unexpected != nil:
-				// A bug or a broken row must not hold up the other
-				// sagas: put it back for later and report it.
-				asides[i] = run.unexpected
-				nexts[i] = sagaLeft
-				err := a.setSagaAside(ctx, tx, run.lease, run.unexpected)
-				if err != nil && !errors.Is(err, errSagaLeaseLost) {
-					return err
-				}
-			default:
-				// The events the step writes are created in its span.
-				next, err := a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, run)
-				if err != nil {
-					return err
-				}
-				nexts[i] = next
-			}
+		var err error
+		steps, err = a.stepAll(ctx, tx, runs)
+		if err != nil {
+			return err
 		}
 		// The next round's sagas: those that go on, and those that became
 		// due meanwhile.
 		next := slices.Clone(again)
 		for i, run := range runs {
-			if nexts[i] == sagaAgain || nexts[i] == sagaStepDone {
+			if steps[i].next == sagaAgain || steps[i].next == sagaStepDone {
 				next = append(next, run)
 			}
 		}
-		var err error
-		admitted = nil
+		admitted, admittedSteps = nil, nil
 		if len(next) < max {
-			admitted, err = a.claimSagas(ctx, tx, workerID, max-len(next))
+			admitted, admittedSteps, err = a.admitSagas(ctx, tx, workerID, max-len(next))
 			if err != nil {
 				return err
 			}
 		}
-		return a.readSagaRuns(ctx, tx, append(next, admitted...))
+		for i, run := range admitted {
+			if admittedSteps[i].next == sagaAgain || admittedSteps[i].next == sagaStepDone {
+				next = append(next, run)
+			}
+		}
+		return a.readSagaRuns(ctx, tx, next)
 	})
 	if err != nil {
-		failSagaSpans(runs, err)
+		failSagaSpans(append(runs, admitted...), err)
 		return nil, 0, err
 	}
 	wroteEvent := false
-	for i, run := range runs {
-		a.observeSagaStep(run, nexts[i])
-		if asides[i] != nil {
-			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, asides[i]))
+	all, outcomes := append(slices.Clone(runs), admitted...), append(slices.Clone(steps), admittedSteps...)
+	for i, run := range all {
+		step := outcomes[i]
+		// Committed: what this worker wrote for the saga moved its token
+		// on (advanceSaga), and renewed its lease, so the next round's
+		// processor call needs no renewal of its own.
+		if step.wrote {
+			run.lease.Token++
 		}
-		// The next round's processor call needs no renewal of its own
-		// right after a commit that renewed the lease.
-		run.renewed = nexts[i] == sagaStepDone
-		switch nexts[i] {
+		run.renewed = step.wrote
+		if !step.leased {
+			a.observeSagaStep(run, step.next)
+		}
+		if step.aside != nil {
+			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, step.aside))
+		}
+		switch step.next {
 		case sagaAgain, sagaStepDone:
 			again = append(again, run)
 		case sagaLeft:
 		case sagaWroteEvent:
 			wroteEvent = true
 		default:
-			return nil, 0, fmt.Errorf("bug: unhandled saga next %d", nexts[i])
+			return nil, 0, fmt.Errorf("bug: unhandled saga next %d", step.next)
 		}
 	}
 	if wroteEvent {
@@ -431,7 +434,98 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		// next poll to tell the order service.
 		a.wake.relay.signal()
 	}
-	return append(again, admitted...), len(admitted), nil
+	return again, len(admitted), nil
+}
+
+// sagaStepOutcome is what a round's transaction did for one saga: what
+// becomes of it, why it was set aside (if it was), and whether the worker
+// wrote for it (its token moved on, once the transaction commits).
+type sagaStepOutcome struct {
+	next  sagaNext
+	aside error
+	wrote bool
+	// leased: the saga was claimed to run in the next round, and nothing
+	// else was done for it.
+	leased bool
+}
+
+// stepAll runs, in tx, what each of runs does this round (stepIn), and
+// returns what became of each. An error returned means tx must roll back.
+func (a *App) stepAll(ctx context.Context, tx *sql.Tx, runs []*sagaRun) ([]sagaStepOutcome, error) {
+	outcomes := make([]sagaStepOutcome, len(runs))
+	for i, run := range runs {
+		outcome, err := a.stepIn(ctx, tx, run)
+		if err != nil {
+			return nil, err
+		}
+		outcomes[i] = outcome
+	}
+	return outcomes, nil
+}
+
+// stepIn runs, in tx, what run's saga does this round: nothing if its
+// lease was found lost before its call; setting it aside if it cannot go
+// on (a bug, a broken row: it does not hold up the others); its step
+// otherwise (sagaStepIn). Returns an error only when tx must roll back.
+func (a *App) stepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOutcome, error) {
+	switch {
+	case run.called && errors.Is(run.callErr, errSagaLeaseLost):
+		return sagaStepOutcome{next: sagaLeft}, nil
+	case run.unexpected != nil:
+		err := a.setSagaAside(ctx, tx, run.lease, run.unexpected)
+		if err != nil && !errors.Is(err, errSagaLeaseLost) {
+			return sagaStepOutcome{}, err
+		}
+		return sagaStepOutcome{next: sagaLeft, aside: run.unexpected}, nil
+	default:
+		// The events the step writes are created in its span.
+		return a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, run)
+	}
+}
+
+// admitSagas claims, in tx, up to max sagas that became due (claimSagas),
+// reads them, and runs the first step of each right away, in tx: its
+// write is the claim. A saga whose first step is a call to another system
+// (a charge, asked for again after a worker died) or a compensation
+// cannot run in a transaction: its claim is written alone (leaseSagas),
+// and it runs in the next round. Returns the sagas claimed and what
+// became of each.
+func (a *App) admitSagas(ctx context.Context, tx *sql.Tx, workerID string, max int) ([]*sagaRun, []sagaStepOutcome, error) {
+	runs, err := a.claimSagas(ctx, tx, workerID, max)
+	if err != nil || len(runs) == 0 {
+		return nil, nil, err
+	}
+	if err := a.readSagaRuns(ctx, tx, runs); err != nil {
+		return nil, nil, err
+	}
+	outcomes := make([]sagaStepOutcome, len(runs))
+	var leasing []*sagaRun
+	for i, run := range runs {
+		startSagaRound(run)
+		if run.unexpected == nil && (run.action.kind == actionCompensate || (run.stepOK && run.step.Name == stepChargeCard)) {
+			leasing = append(leasing, run)
+			continue
+		}
+		a.startSagaSpan(ctx, run)
+		if outcomes[i], err = a.stepIn(ctx, tx, run); err != nil {
+			return nil, nil, err
+		}
+	}
+	lost, err := a.leaseSagas(ctx, tx, leasing)
+	if err != nil {
+		return nil, nil, err
+	}
+	for i, run := range runs {
+		if slices.Contains(leasing, run) {
+			// Claimed, to run in the next round; or lost to a worker
+			// that wrote for it first.
+			outcomes[i] = sagaStepOutcome{next: sagaAgain, wrote: true, leased: true}
+			if lost[run] {
+				outcomes[i] = sagaStepOutcome{next: sagaLeft, leased: true}
+			}
+		}
+	}
+	return runs, outcomes, nil
 }
 
 // observeSagaStep ends the span of run's step this round, and logs and
@@ -536,24 +630,18 @@ func (a *App) observeCompensation(ctx context.Context, run *sagaRun, step sagaSt
 	return err
 }
 
-// inSagaTx runs fn in a transaction of its own for run's saga, after
-// fenceSaga: fn's writes commit only if the worker still holds the saga's
-// latest claim, and errSagaLeaseLost rolls them back otherwise.
+// inSagaTx runs fn in a transaction of its own for run's saga. fn ends
+// with advanceSaga: its writes commit only if the worker still holds the
+// saga, and errSagaLeaseLost rolls them back otherwise. Once they commit,
+// the worker's token is the one advanceSaga wrote.
 func (a *App) inSagaTx(ctx context.Context, run *sagaRun, fn func(tx *sql.Tx, now time.Time) error) error {
-	return withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
-		now := a.now()
-		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
-			return err
-		}
-		return fn(tx, now)
+	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
+		return fn(tx, a.now())
 	})
-}
-
-// renewLease, run by inSagaTx, writes nothing but the renewal that
-// fenceSaga made: before a call to another system, it makes sure the lease
-// holds for the call.
-func renewLease(tx *sql.Tx, now time.Time) error {
-	return nil
+	if err == nil {
+		run.lease.Token++
+	}
+	return err
 }
 
 // sagaCalls makes the round's processor calls: the charge of every saga
@@ -562,7 +650,7 @@ func renewLease(tx *sql.Tx, now time.Time) error {
 // derived from the saga, so a second worker that took a saga over asks for
 // the same charge. The leases are renewed first, in one transaction for all
 // the calls, except those the last round's commit renewed (a saga whose
-// reserve_stock it recorded). A saga whose lease is gone gets callErr
+// reserve_stock it recorded, the usual case). A saga whose lease is gone gets callErr
 // errSagaLeaseLost and no call. The calls run one after another, or side
 // by side if a.sagaCallsSideBySide.
 func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
@@ -587,9 +675,9 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 			clear(lost)
 			now := a.now()
 			for _, i := range renewing {
-				err := a.fenceSaga(ctx, tx, calling[i].lease, now)
+				err := a.renewSagaLease(ctx, tx, calling[i].lease, sagaInProgress, now)
 				if errors.Is(err, errSagaLeaseLost) {
-					// A fence that changed no row wrote nothing: the
+					// A renewal that changed no row wrote nothing: the
 					// other leases renew all the same.
 					lost[i] = true
 					continue
@@ -602,6 +690,11 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 		})
 		if err != nil {
 			return err
+		}
+		for _, i := range renewing {
+			if !lost[i] {
+				calling[i].lease.Token++
+			}
 		}
 	}
 	for i, run := range calling {
@@ -658,11 +751,11 @@ func (a *App) sagaCall(ctx context.Context, run *sagaRun) error {
 // becomes of the saga. A step that fails rolls back to the savepoint, so
 // the other sagas' steps in tx stand; its failure is then recorded in tx,
 // as afterFailure decides: a business failure turns the saga to
-// compensation (failStep), a transient one schedules the next attempt
-// (scheduleRetry).
+// compensation (failStep, in a savepoint of its own: it writes twice), a
+// transient one schedules the next attempt (scheduleRetry).
 //
 // Returns an error only when tx must roll back (isOurFailure).
-func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
+func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOutcome, error) {
 	var next sagaNext
 	failed, err := inSavepoint(ctx, tx, "saga_step", func() error {
 		var err error
@@ -671,34 +764,37 @@ func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNex
 	})
 	switch {
 	case err != nil:
-		return sagaLeft, err
+		return sagaStepOutcome{}, err
 	case failed == nil:
-		return next, nil
+		return sagaStepOutcome{next: next, wrote: next == sagaStepDone || next == sagaWroteEvent}, nil
 	case isOurFailure(ctx, a.db, failed):
-		return sagaLeft, failed
+		return sagaStepOutcome{}, failed
 	}
 	switch afterFailure(run.saga.Status, failed) {
 	case failureReread:
-		return sagaAgain, nil
+		return sagaStepOutcome{next: sagaAgain}, nil
 	case failureLeave:
-		return sagaLeft, nil
+		return sagaStepOutcome{next: sagaLeft}, nil
 	case failureCompensate:
-		return sagaAgainUnlessLost(a.failStep(ctx, tx, run.lease, run.saga, run.step, failed))
+		lost, err := inSavepoint(ctx, tx, "saga_fail", func() error {
+			return a.failStep(ctx, tx, run.lease, run.saga, run.step, failed)
+		})
+		switch {
+		case err != nil:
+			return sagaStepOutcome{}, err
+		case errors.Is(lost, errSagaLeaseLost):
+			return sagaStepOutcome{next: sagaLeft}, nil
+		case lost != nil:
+			return sagaStepOutcome{}, lost
+		}
+		return sagaStepOutcome{next: sagaAgain, wrote: true}, nil
 	default:
-		return sagaLeftUnlessFailed(a.scheduleRetry(ctx, tx, run.lease, run.saga, failed))
+		err := a.scheduleRetry(ctx, tx, run.lease, run.saga, failed)
+		if err != nil && !errors.Is(err, errSagaLeaseLost) {
+			return sagaStepOutcome{}, err
+		}
+		return sagaStepOutcome{next: sagaLeft}, nil
 	}
-}
-
-// sagaAgainUnlessLost is what becomes of a saga after a write that turned
-// it (failStep): it goes on, unless the write found its lease lost.
-func sagaAgainUnlessLost(err error) (sagaNext, error) {
-	if errors.Is(err, errSagaLeaseLost) {
-		return sagaLeft, nil
-	}
-	if err != nil {
-		return sagaLeft, err
-	}
-	return sagaAgain, nil
 }
 
 // sagaLeftUnlessFailed is what becomes of a saga after a write that
@@ -710,44 +806,24 @@ func sagaLeftUnlessFailed(err error) (sagaNext, error) {
 	return sagaLeft, nil
 }
 
-// sagaStep runs run's step in tx after fenceSaga (runStep), or releases a
-// saga that another worker ended since this one's claim.
+// sagaStep runs run's step in tx (runStep), whose record ends with
+// advanceSaga; a saga that another worker ended since this one read it is
+// left alone.
 func (a *App) sagaStep(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaNext, error) {
 	switch run.action.kind {
 	case actionRunStep:
-		now := a.now()
-		if err := a.fenceSaga(ctx, tx, run.lease, now); err != nil {
-			return sagaLeft, err
-		}
-		completed, err := a.runStep(ctx, tx, run, now)
+		completed, err := a.runStep(ctx, tx, run, a.now())
 		if completed && err == nil {
 			// confirm wrote PaymentCaptured and completed the saga.
 			return sagaWroteEvent, nil
 		}
 		return sagaStepDone, err
 	case actionNone:
-		// Ended by another worker since this one's claim.
-		return sagaLeft, releaseSaga(ctx, tx, run.lease)
+		// Ended by another worker since this one read it.
+		return sagaLeft, nil
 	default:
 		return sagaLeft, fmt.Errorf("bug: unhandled saga action %d", run.action.kind)
 	}
-}
-
-// fenceSaga is the first statement of every transaction that writes for a
-// saga: it renews lease and returns errSagaLeaseLost unless lease is still
-// the saga's latest claim. The UPDATE takes the saga row's write lock (the
-// database's write lock on SQLite), so no other worker can claim the saga
-// between this check and the transaction's commit: the check stays true for
-// every write that follows it in tx.
-func (a *App) fenceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, now time.Time) error {
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET locked_until = ?
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		formatTime(now.Add(a.leases.saga)), lease.SagaID, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("renew lease of saga %s: %w", lease.SagaID, err)
-	}
-	return oneRowOr(updated, errSagaLeaseLost)
 }
 
 // oneRowOr returns notMatched unless result changed exactly one row: the
@@ -766,22 +842,15 @@ func oneRowOr(result sql.Result, notMatched error) error {
 
 // scheduleRetry records in tx a transient failure and releases the saga
 // until its next attempt; a compensation's last allowed failure makes it
-// compensation_failed instead (retryAfter). Fenced, and only from the status the
-// worker read: a stale worker's failure is not recorded (errSagaLeaseLost).
+// compensation_failed instead (retryAfter). Only from the status the
+// worker read, and only while it holds the saga (advanceSaga): a stale
+// worker's failure is not recorded (errSagaLeaseLost).
 func (a *App) scheduleRetry(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, cause error) error {
 	status, attempts := retryAfter(saga)
 	now := a.now()
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances
-		SET status = ?, attempts = ?, last_error = ?, next_attempt_at = ?, updated_at = ?,
-		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND status = ? AND locked_by = ? AND lease_token = ?`,
-		status, attempts, cause.Error(), formatTime(now.Add(sagaBackoff(attempts))), formatTime(now),
-		saga.SagaID, saga.Status, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("schedule saga retry: %w", err)
-	}
-	return oneRowOr(updated, errSagaLeaseLost)
+	return a.advanceSaga(ctx, tx, lease, saga.Status, true,
+		`status = ?, attempts = ?, last_error = ?, next_attempt_at = ?, updated_at = ?`,
+		status, attempts, cause.Error(), formatTime(now.Add(sagaBackoff(attempts))), formatTime(now))
 }
 
 // setSagaAside releases, in tx, a saga that failed unexpectedly and makes
@@ -789,29 +858,17 @@ func (a *App) scheduleRetry(ctx context.Context, tx *sql.Tx, lease sagaClaim, sa
 // if another worker holds it now.
 func (a *App) setSagaAside(ctx context.Context, tx *sql.Tx, lease sagaClaim, cause error) error {
 	now := a.now()
+	// Whatever its status: a broken row may not even say it right.
 	updated, err := tx.ExecContext(ctx, `
 		UPDATE saga_instances
 		SET attempts = attempts + 1, last_error = ?, next_attempt_at = ?, updated_at = ?,
-		    locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), lease.SagaID, lease.WorkerID, lease.Token)
+		    locked_by = NULL, locked_until = NULL, lease_token = lease_token + 1
+		WHERE saga_id = ? AND lease_token = ?`,
+		cause.Error(), formatTime(now.Add(time.Minute)), formatTime(now), lease.SagaID, lease.Token)
 	if err != nil {
 		return fmt.Errorf("set saga %s aside: %w", lease.SagaID, err)
 	}
 	return oneRowOr(updated, errSagaLeaseLost)
-}
-
-// releaseSaga gives up lease on a terminal saga, in tx. A lease already
-// taken over is left alone.
-func releaseSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim) error {
-	_, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET locked_by = NULL, locked_until = NULL
-		WHERE saga_id = ? AND locked_by = ? AND lease_token = ?`,
-		lease.SagaID, lease.WorkerID, lease.Token)
-	if err != nil {
-		return fmt.Errorf("release saga: %w", err)
-	}
-	return nil
 }
 
 // sagaAlreadyStarted decides, in tx, about an OrderCreated (eventID) for an

@@ -51,12 +51,7 @@ func mutations() []mutation {
 			name:  "SagaWritesUnfenced",
 			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
 			edits: []mutationEdit{
-				{"infra_saga.go", "\treturn oneRowOr(updated, errSagaLeaseLost)\n}\n\n// oneRowOr", "\t_ = updated\n\treturn nil\n}\n\n// oneRowOr"},
-				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tstatus, next,", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`,\n\t\tstatus, next,"},
-				{"saga.go", "\tif err := oneRowOr(advanced, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = advanced"},
-				{"saga.go", "\tif err := oneRowOr(failed, errSagaLeaseLost); err != nil {\n\t\treturn err\n\t}", "\t_ = failed"},
-				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`,\n\t\tsagaCompensating,", "WHERE saga_id = ? AND status = ? AND ? >= 0`,\n\t\tsagaCompensating,"},
-				{"saga.go", "\treturn oneRowOr(turned, errSagaLeaseLost)", "\t_ = turned\n\treturn nil"},
+				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`, args...)", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`, args...)"},
 			},
 		},
 		{
@@ -146,7 +141,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
 			fault:   "sample flaw 6: it inserted all saga steps as done up front",
 			edits: []mutationEdit{
-				{"saga.go", "args = append(args, sagaID, index, name, stepPending)", "args = append(args, sagaID, index, name, stepDone)"},
+				{"saga.go", "\t\treturn sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)\n\t}\n\treturn nil\n}", "\t\treturn sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)\n\t}\n\t_, err = tx.ExecContext(ctx, `INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES (?, 0, 'reserve_stock', 'done'), (?, 1, 'charge_card', 'done'), (?, 2, 'confirm', 'done')`, sagaID, sagaID, sagaID)\n\treturn err\n}"},
 			},
 		},
 		{
@@ -154,7 +149,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
 			fault:   "sample flaw 8: it left the order as it was after compensating",
 			edits: []mutationEdit{
-				{"saga.go", "\treturn insertOutboxEvent(ctx, tx, orderCancelled, now)", "\t_ = orderCancelled\n\treturn nil"},
+				{"saga.go", "\tif err := insertOutboxEvent(ctx, tx, orderCancelled, now); err != nil {\n\t\treturn err\n\t}", "\t_ = orderCancelled"},
 			},
 		},
 		{

@@ -576,7 +576,9 @@ func TestSagaResume(t *testing.T) {
 		}
 		// A worker that claimed the saga before the resume writes nothing.
 		stale := sagaClaim{SagaID: sagaID, WorkerID: "test-worker", Token: int64(token)}
-		err = withFencedTx(ctx, env.app.db, func(tx *sql.Tx) error { return env.app.fenceSaga(ctx, tx, stale, env.clock.now()) })
+		err = withFencedTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			return env.app.renewSagaLease(ctx, tx, stale, sagaCompensating, env.clock.now())
+		})
 		if !errors.Is(err, errSagaLeaseLost) {
 			t.Fatalf("stale claim: got %v, want errSagaLeaseLost", err)
 		}

@@ -21,10 +21,12 @@
 //
 // This file is the saga as the article has it: what happens next
 // (nextSagaAction and the decisions below it, pure functions), each step
-// (runStep), and compensate. The engine that applies them, infra_saga.go,
-// can be skipped on a first reading: it claims sagas under a lease, fences
-// every write with it, and advances many sagas together in rounds, with the
-// processor calls outside any transaction.
+// (runStep), compensate, and the one rule that keeps a slow worker from
+// doing harm (advanceSaga: a lease is not a lock, so every write for a
+// saga ends with a compare-and-set on its lease token). The engine that
+// applies them, infra_saga.go, can be skipped on a first reading: it
+// claims sagas and advances many together in rounds, with the processor
+// calls outside any transaction.
 
 package main
 
@@ -34,7 +36,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 )
 
@@ -52,7 +53,9 @@ const (
 	sagaCompensationFailed sagaStatus = "compensation_failed"
 )
 
-// stepStatus is saga_steps.status.
+// stepStatus is saga_steps.status. A step has a row once it has run:
+// done or failed, and compensated once undone. pending is what the API
+// and the decisions call a step with no row yet; it is never stored.
 type stepStatus string
 
 const (
@@ -83,17 +86,19 @@ var (
 	// lease had passed); the transaction rolled back and the saga is
 	// re-read.
 	errStepNotPending = errors.New("saga step is no longer pending")
-	// errSagaLeaseLost: another worker claimed the saga since this one did
-	// (this one was paused or slow past sagaLease), or the saga is no longer
-	// in the status this worker read. The write that found out rolled back;
-	// the worker stops working on the saga without another write.
+	// errSagaLeaseLost: another worker wrote for the saga since this one
+	// read it (this one was paused or slow past sagaLease), or the saga is
+	// no longer in the status this worker read. The write that found out
+	// rolled back, the step's effect with it; the worker stops working on
+	// the saga without another write.
 	errSagaLeaseLost = errors.New("saga lease lost to another worker")
 )
 
 // sagaClaim is one worker's claim on one saga. Token is the saga's
-// lease_token after the claim: every claim adds one, so a worker whose
-// token no longer matches knows that someone claimed the saga after it, even
-// a process that reuses its worker name.
+// lease_token as the worker last read or wrote it: every write for the
+// saga adds one (advanceSaga), so a worker whose token no longer matches
+// knows that someone wrote for the saga since, even a process that reuses
+// its worker name.
 type sagaClaim struct {
 	SagaID   string
 	WorkerID string
@@ -140,10 +145,11 @@ type sagaStepView struct {
 }
 
 // startFulfilment is the payment service's inbox handler for OrderCreated
-// (the effect half of the article's consume_order_created()):
-// it creates the saga and its steps, all pending, in the inbox transaction.
-// The steps themselves run later in sagaOnce, because charging a card is a
-// call to another system and must not happen inside a database transaction.
+// (the effect half of the article's consume_order_created()): it creates
+// the saga, at its first step, in the inbox transaction. The steps run
+// later in sagaOnce, because charging a card is a call to another system
+// and must not happen inside a database transaction; each step's row is
+// written when it has run (markStepDone).
 func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) error {
 	if msg.Subject != eventOrderCreated {
 		return permanent(fmt.Errorf("payment service does not handle %s", msg.Subject))
@@ -173,24 +179,14 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
 	}
-	if n, err := started.RowsAffected(); err != nil {
+	n, err := started.RowsAffected()
+	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
-	} else if n == 0 {
+	}
+	if n == 0 {
 		// The order has its saga: this is the OrderCreated that started
 		// it, come again, or a second one (sagaAlreadyStarted).
 		return sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)
-	}
-	// Every step starts pending: it is marked done only with its effect.
-	values := make([]string, len(steps))
-	args := make([]any, 0, 4*len(steps))
-	for index, name := range steps {
-		values[index] = "(?, ?, ?, ?)"
-		args = append(args, sagaID, index, name, stepPending)
-	}
-	_, err = tx.ExecContext(ctx, `
-		INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES `+strings.Join(values, ", "), args...)
-	if err != nil {
-		return fmt.Errorf("insert saga steps: %w", err)
 	}
 	return nil
 }
@@ -237,19 +233,20 @@ type sagaAction struct {
 	step sagaStepRow
 }
 
-// nextSagaAction decides what saga does next, from steps in step order: in
-// progress, it runs its first pending step (they run in order, so that is
-// the next one); compensating, it compensates; ended, nothing. Returns a
-// bug: error for a state no transition leads to.
+// nextSagaAction decides what saga does next, from the steps that have
+// run, in step order: in progress, it runs the first step that has not
+// (they run in order, so that is the next one); compensating, it
+// compensates; ended, nothing. Returns a bug: error for a state no
+// transition leads to.
 func nextSagaAction(saga sagaRow, steps []sagaStepRow) (sagaAction, error) {
 	switch saga.Status {
 	case sagaInProgress:
-		for _, step := range steps {
+		for _, step := range withPendingSteps(steps) {
 			if step.Status == stepPending {
 				return sagaAction{kind: actionRunStep, step: step}, nil
 			}
 		}
-		return sagaAction{}, fmt.Errorf("bug: saga %s in progress with no pending step", saga.SagaID)
+		return sagaAction{}, fmt.Errorf("bug: saga %s in progress with every step run", saga.SagaID)
 	case sagaCompensating:
 		return sagaAction{kind: actionCompensate}, nil
 	case sagaCompleted, sagaCompensated, sagaCompensationFailed:
@@ -257,6 +254,22 @@ func nextSagaAction(saga sagaRow, steps []sagaStepRow) (sagaAction, error) {
 	default:
 		return sagaAction{}, fmt.Errorf("bug: unhandled saga status %q", saga.Status)
 	}
+}
+
+// withPendingSteps returns every step of the saga in step order: those
+// that have run, as recorded, and pending for those that have not (the
+// API shows them so, and nextSagaAction picks the first).
+func withPendingSteps(recorded []sagaStepRow) []sagaStepRow {
+	steps := make([]sagaStepRow, len(fulfilmentSteps()))
+	for index, name := range fulfilmentSteps() {
+		steps[index] = sagaStepRow{Index: index, Name: name, Status: stepPending}
+	}
+	for _, step := range recorded {
+		if step.Index >= 0 && step.Index < len(steps) {
+			steps[step.Index] = step
+		}
+	}
+	return steps
 }
 
 // stepsToUndo returns the steps compensate undoes, in the order it undoes
@@ -342,9 +355,10 @@ func isBusinessFailure(err error) bool {
 		isPermanent(err)
 }
 
-// The saga's steps. Each runs in a transaction that the engine opened with
-// fenceSaga (the worker still holds the saga's lease), and records itself
-// done in that transaction, with its local effect.
+// The saga's steps. Each runs in a transaction (or savepoint) of its own,
+// and records itself done in it, with its local effect; the record ends
+// with advanceSaga, so the step counts only if the worker still held the
+// saga when it committed.
 
 // runStep runs the saga's pending step, run.step, in tx, and reports
 // whether it was the last one (the saga is completed).
@@ -440,10 +454,11 @@ func (a *App) confirmStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now tim
 
 // compensate undoes the saga's done steps, last first, and then ends the
 // saga and cancels the order: the article's compensate(). Each undo, and
-// the end, is a transaction of its own fenced by the saga's lease
+// the end, is a transaction of its own that ends with advanceSaga
 // (inSagaTx), so a crash between two leaves the saga compensating with the
-// rest to do, and the worker that resumes it undoes each step once.
-// run.steps are the steps as read when the engine picked the saga.
+// rest to do, the worker that resumes it undoes each step once, and a
+// worker that lost the saga undoes nothing. run.steps are the steps as
+// read when the engine picked the saga.
 //
 // Returns errSagaLeaseLost if another worker holds the saga now, and an
 // undo's error if it failed: the engine retries the saga later.
@@ -489,8 +504,10 @@ func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) erro
 		})
 	case stepChargeCard:
 		// A call to another system: outside any transaction, and only
-		// while the lease holds.
-		if err := a.inSagaTx(ctx, run, renewLease); err != nil {
+		// while the lease holds (renewed first, as any write).
+		if err := a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
+			return a.renewSagaLease(ctx, tx, run.lease, sagaCompensating, now)
+		}); err != nil {
 			return err
 		}
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
@@ -542,44 +559,74 @@ func firstStepNamed(steps []sagaStepRow, name string) (sagaStepRow, bool) {
 	return sagaStepRow{}, false
 }
 
-// markStepDone records step as done and moves the saga to the next step (or
-// completes it, and releases it: a completed saga needs no lease), in the
-// transaction of the step's effect, after fenceSaga. If another worker
-// recorded the step first it returns errStepNotPending, and the effect
-// rolls back with it; if the saga is no longer in progress (another worker
-// turned it to compensation) it returns errSagaLeaseLost: a saga never
-// moves back.
-func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) error {
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_steps SET status = ?, attempts = attempts + 1, result = ?, done_at = ?
-		WHERE saga_id = ? AND step_index = ? AND status = ?`,
-		stepDone, sql.NullString{String: result, Valid: result != ""}, formatTime(now), lease.SagaID, step.Index, stepPending)
-	if err != nil {
-		return fmt.Errorf("mark step %s done: %w", step.Name, err)
+// advanceSaga is how every transaction that writes for a saga ends: a
+// compare-and-set on the saga's row. It applies set (the columns' new
+// values, args their parameters) only if the saga is still in status from
+// and its lease_token is still lease.Token, the token the worker last read
+// or wrote; it renews the worker's lease (or releases it, with release:
+// a saga that has ended needs none), and moves the token on. It returns
+// errSagaLeaseLost unless it changed the row, and then the caller's
+// savepoint or transaction rolls back the step's effect with it.
+//
+// A lease is not a lock. A worker paused past sagaLease (a GC pause, a
+// SIGSTOP, a slow disk) wakes up believing it holds the saga while another
+// has taken it over; whatever it writes after waking must not count. It
+// need not check first: its step's effect and this update commit together
+// or not at all, and the update is the last word. On SQLite one writer at
+// a time makes the check and the write one moment. On PostgreSQL the
+// update takes the row's lock, so a takeover, which updates the same row,
+// waits for this transaction or this one waits for it, and under READ
+// COMMITTED a waiting update checks lease_token again on the row as the
+// other left it: one of the two finds its token gone.
+func (a *App) advanceSaga(ctx context.Context, tx *sql.Tx, lease sagaClaim, from sagaStatus, release bool, set string, args ...any) error {
+	lockedBy, lockedUntil := sql.NullString{String: lease.WorkerID, Valid: !release}, sql.NullString{}
+	if !release {
+		lockedUntil = sql.NullString{String: formatTime(a.now().Add(a.leases.saga)), Valid: true}
 	}
-	if err := oneRowOr(updated, errStepNotPending); err != nil {
+	args = append(args, lockedBy, lockedUntil, lease.SagaID, from, lease.Token)
+	updated, err := tx.ExecContext(ctx, `
+		UPDATE saga_instances SET `+set+`, locked_by = ?, locked_until = ?, lease_token = lease_token + 1
+		WHERE saga_id = ? AND status = ? AND lease_token = ?`, args...)
+	if err != nil {
+		return fmt.Errorf("advance saga %s: %w", lease.SagaID, err)
+	}
+	return oneRowOr(updated, errSagaLeaseLost)
+}
+
+// renewSagaLease renews lease before a call to another system, which no
+// transaction can hold: advanceSaga with nothing else to change.
+func (a *App) renewSagaLease(ctx context.Context, tx *sql.Tx, lease sagaClaim, status sagaStatus, now time.Time) error {
+	return a.advanceSaga(ctx, tx, lease, status, false, `updated_at = ?`, formatTime(now))
+}
+
+// markStepDone records step as done, in the transaction of the step's
+// effect, and moves the saga to the next step (or completes it, and
+// releases it). Sample flaw 6: it inserted every step as done up front;
+// here a step's row is written now that it has run. If another worker
+// recorded the step first it returns errStepNotPending; if the worker lost
+// the saga, or the saga is no longer in progress (another worker turned it
+// to compensation: a saga never moves back), errSagaLeaseLost. Either way
+// the effect rolls back with it.
+func (a *App) markStepDone(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, result string, now time.Time) error {
+	recorded, err := tx.ExecContext(ctx, `
+		INSERT INTO saga_steps (saga_id, step_index, step_name, status, attempts, result, done_at)
+		VALUES (?, ?, ?, ?, 1, ?, ?)
+		ON CONFLICT (saga_id, step_index) DO NOTHING`,
+		lease.SagaID, step.Index, step.Name, stepDone, sql.NullString{String: result, Valid: result != ""}, formatTime(now))
+	if err != nil {
+		return fmt.Errorf("record step %s done: %w", step.Name, err)
+	}
+	if err := oneRowOr(recorded, errStepNotPending); err != nil {
 		return err
 	}
 	status, next := afterStepDone(step)
-	advanced, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET status = ?, current_step = ?, attempts = 0, last_error = NULL, updated_at = ?
-		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-		status, next, formatTime(now), lease.SagaID, sagaInProgress, lease.Token)
-	if err != nil {
-		return fmt.Errorf("advance saga: %w", err)
-	}
-	if err := oneRowOr(advanced, errSagaLeaseLost); err != nil {
-		return err
-	}
-	if status == sagaCompleted {
-		return releaseSaga(ctx, tx, lease)
-	}
-	return nil
+	return a.advanceSaga(ctx, tx, lease, sagaInProgress, status == sagaCompleted,
+		`status = ?, current_step = ?, attempts = 0, last_error = NULL, updated_at = ?`, status, next, formatTime(now))
 }
 
 // markStepCompensated records that step was undone, in the transaction of
-// the compensation's effect, after fenceSaga. Returns errStepNotPending if
-// it was already, and errSagaLeaseLost if the saga is no longer
+// the compensation's effect. Returns errStepNotPending if it was already,
+// and errSagaLeaseLost if the worker lost the saga or it is no longer
 // compensating.
 func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, lease sagaClaim, step sagaStepRow, now time.Time) error {
 	updated, err := tx.ExecContext(ctx, `
@@ -592,67 +639,39 @@ func (a *App) markStepCompensated(ctx context.Context, tx *sql.Tx, lease sagaCla
 	if err := oneRowOr(updated, errStepNotPending); err != nil {
 		return err
 	}
-	recorded, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET current_step = ?, attempts = 0, last_error = NULL, updated_at = ?
-		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-		step.Name, formatTime(now), lease.SagaID, sagaCompensating, lease.Token)
-	if err != nil {
-		return fmt.Errorf("record compensation: %w", err)
-	}
-	return oneRowOr(recorded, errSagaLeaseLost)
+	return a.advanceSaga(ctx, tx, lease, sagaCompensating, false,
+		`current_step = ?, attempts = 0, last_error = NULL, updated_at = ?`, step.Name, formatTime(now))
 }
 
 // failStep records in tx that step failed for a business reason and turns
-// the saga to compensation. Both writes must match, under the lease: a
-// worker that read "pending" before a pause and fails the step now (the
-// stock it wanted was taken, by the very worker that took its saga over)
-// must not turn a saga that moved on meanwhile to compensation.
+// the saga to compensation. Both writes must hold: a worker that read the
+// step as not run before a pause and fails it now (the stock it wanted
+// was taken, by the very worker that took its saga over) must not turn a
+// saga that moved on meanwhile to compensation.
 func (a *App) failStep(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, step sagaStepRow, cause error) error {
 	now := a.now()
-	if err := a.fenceSaga(ctx, tx, lease, now); err != nil {
-		return err
-	}
 	failed, err := tx.ExecContext(ctx, `
-		UPDATE saga_steps SET status = ?, attempts = attempts + 1, error = ?
-		WHERE saga_id = ? AND step_index = ? AND status = ?`,
-		stepFailed, cause.Error(), saga.SagaID, step.Index, stepPending)
+		INSERT INTO saga_steps (saga_id, step_index, step_name, status, attempts, error)
+		VALUES (?, ?, ?, ?, 1, ?)
+		ON CONFLICT (saga_id, step_index) DO NOTHING`,
+		saga.SagaID, step.Index, step.Name, stepFailed, cause.Error())
 	if err != nil {
-		return fmt.Errorf("mark step %s failed: %w", step.Name, err)
+		return fmt.Errorf("record step %s failed: %w", step.Name, err)
 	}
 	if err := oneRowOr(failed, errSagaLeaseLost); err != nil {
 		return err
 	}
-	turned, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET status = ?, failure_reason = ?, attempts = 0, updated_at = ?
-		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-		sagaCompensating, cause.Error(), formatTime(now), saga.SagaID, sagaInProgress, lease.Token)
-	if err != nil {
-		return fmt.Errorf("start compensation: %w", err)
-	}
-	return oneRowOr(turned, errSagaLeaseLost)
+	return a.advanceSaga(ctx, tx, lease, sagaInProgress, false,
+		`status = ?, failure_reason = ?, attempts = 0, updated_at = ?`, sagaCompensating, cause.Error(), formatTime(now))
 }
 
-// finishCompensation ends, in tx after fenceSaga, a saga whose done steps
-// are all undone, releases it, and tells the order service through the
-// outbox that the order is cancelled. Fenced: OrderCancelled is written
-// only by the worker that holds the saga.
+// finishCompensation ends a saga whose done steps are all undone, releases
+// it, and tells the order service through the outbox that the order is
+// cancelled, in tx: OrderCancelled is written only by the worker that
+// holds the saga.
 //
 // Sample flaw 8: it left the order paid after compensating.
 func (a *App) finishCompensation(ctx context.Context, tx *sql.Tx, lease sagaClaim, saga sagaRow, now time.Time) error {
-	updated, err := tx.ExecContext(ctx, `
-		UPDATE saga_instances SET status = ?, updated_at = ?
-		WHERE saga_id = ? AND status = ? AND lease_token = ?`,
-		sagaCompensated, formatTime(now), saga.SagaID, sagaCompensating, lease.Token)
-	if err != nil {
-		return fmt.Errorf("finish compensation: %w", err)
-	}
-	if err := oneRowOr(updated, errSagaLeaseLost); err != nil {
-		return err
-	}
-	// A compensated saga needs no lease.
-	if err := releaseSaga(ctx, tx, lease); err != nil {
-		return err
-	}
 	orderCancelled, err := a.newOutboxEvent(eventOrderCancelled, saga.OrderID, orderCancelledPayload{
 		OrderID: saga.OrderID,
 		Reason:  saga.FailureReason.String,
@@ -660,5 +679,8 @@ func (a *App) finishCompensation(ctx context.Context, tx *sql.Tx, lease sagaClai
 	if err != nil {
 		return err
 	}
-	return insertOutboxEvent(ctx, tx, orderCancelled, now)
+	if err := insertOutboxEvent(ctx, tx, orderCancelled, now); err != nil {
+		return err
+	}
+	return a.advanceSaga(ctx, tx, lease, sagaCompensating, true, `status = ?, updated_at = ?`, sagaCompensated, formatTime(now))
 }

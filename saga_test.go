@@ -36,13 +36,16 @@ func createAndDrain(tb testing.TB, env *testEnv, key, body string) string {
 	return orderID
 }
 
-// sagaSteps returns "name=status ..." for the order's saga.
+// sagaSteps returns "status: name=status ..." for the order's saga, a
+// step that has not run shown pending (it has no row).
 func sagaSteps(tb testing.TB, env *testEnv, orderID string) string {
 	tb.Helper()
-	return env.str(tb, `
-		SELECT s.status || ': ' || string_agg(st.step_name || '=' || st.status, ' ' ORDER BY st.step_index)
-		FROM saga_instances s JOIN saga_steps st ON st.saga_id = s.saga_id
-		WHERE s.order_id = ? GROUP BY s.saga_id`, orderID)
+	sagaID := env.str(tb, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID)
+	saga, steps, err := readSaga(context.Background(), env.app.db, sagaID)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return string(saga.Status) + ": " + stepsLine(withPendingSteps(steps))
 }
 
 // stockOf returns "available/reserved/sold" of a sku.

@@ -575,7 +575,7 @@ func (a *App) orderDetails(ctx context.Context, orderID, userID string) (orderVi
 			return orderView{}, err
 		}
 		view.Saga = &sagaView{SagaID: saga.SagaID, Status: saga.Status, CurrentStep: saga.CurrentStep, FailureReason: saga.FailureReason.String}
-		for _, step := range steps {
+		for _, step := range withPendingSteps(steps) {
 			view.Saga.Steps = append(view.Saga.Steps, sagaStepView{Name: step.Name, Status: step.Status})
 		}
 	case errors.Is(err, sql.ErrNoRows):
