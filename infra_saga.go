@@ -18,7 +18,6 @@ package main
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -212,6 +211,22 @@ func (a *App) readSagaRuns(ctx context.Context, q queryer, runs []*sagaRun) erro
 	if err != nil {
 		return err
 	}
+	// The orders of the sagas read for the first time, in one statement:
+	// what a saga uses of its order (items, amount, payment method) never
+	// changes.
+	var orderIDs []string
+	for _, run := range runs {
+		if read, ok := sagas[run.lease.SagaID]; ok && run.order.OrderID == "" {
+			orderIDs = append(orderIDs, read.saga.OrderID)
+		}
+	}
+	var orders map[string]orderRow
+	var broken map[string]error
+	if len(orderIDs) > 0 {
+		if orders, broken, err = readOrders(ctx, q, orderIDs); err != nil {
+			return err
+		}
+	}
 	for _, run := range runs {
 		read, ok := sagas[run.lease.SagaID]
 		if !ok {
@@ -219,20 +234,19 @@ func (a *App) readSagaRuns(ctx context.Context, q queryer, runs []*sagaRun) erro
 			continue
 		}
 		run.read = &sagaRead{saga: read.saga, steps: read.steps}
-		if run.order.OrderID == "" {
-			order, err := readOrder(ctx, q, read.saga.OrderID)
-			var syntax *json.SyntaxError
-			var mistyped *json.UnmarshalTypeError
-			switch {
-			case errors.Is(err, errOrderNotFound), errors.As(err, &syntax), errors.As(err, &mistyped):
-				// A broken row is the saga's problem (it is set aside),
-				// not the round's.
-				run.read.err = err
-			case err != nil:
-				return err
-			}
-			run.read.order = order
+		if run.order.OrderID != "" {
+			continue
 		}
+		// A broken or missing order is the saga's problem (it is set
+		// aside), not the round's.
+		order, found := orders[read.saga.OrderID]
+		switch {
+		case broken[read.saga.OrderID] != nil:
+			run.read.err = broken[read.saga.OrderID]
+		case !found:
+			run.read.err = fmt.Errorf("order %s of saga %s: %w", read.saga.OrderID, run.lease.SagaID, errOrderNotFound)
+		}
+		run.read.order = order
 	}
 	return nil
 }

@@ -141,7 +141,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
 			fault:   "sample flaw 6: it inserted all saga steps as done up front",
 			edits: []mutationEdit{
-				{"saga.go", "\t\treturn sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)\n\t}\n\treturn nil\n}", "\t\treturn sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)\n\t}\n\t_, err = tx.ExecContext(ctx, `INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES (?, 0, 'reserve_stock', 'done'), (?, 1, 'charge_card', 'done'), (?, 2, 'confirm', 'done')`, sagaID, sagaID, sagaID)\n\treturn err\n}"},
+				{"saga.go", "\tif n == 1 {\n\t\treturn nil\n\t}", "\tif n == 1 {\n\t\t_, err = tx.ExecContext(ctx, `INSERT INTO saga_steps (saga_id, step_index, step_name, status) VALUES (?, 0, 'reserve_stock', 'done'), (?, 1, 'charge_card', 'done'), (?, 2, 'confirm', 'done')`, sagaID, sagaID, sagaID)\n\t\treturn err\n\t}"},
 			},
 		},
 		{

@@ -474,6 +474,44 @@ func readOrder(ctx context.Context, q queryer, orderID string) (orderRow, error)
 	return order, nil
 }
 
+// readOrders reads the orders orderIDs in one statement, for the saga
+// engine, which reads a round's sagas together. An order that does not
+// exist is missing from the map; one whose items cannot be decoded has
+// its error in broken, and is missing from the map too.
+func readOrders(ctx context.Context, q queryer, orderIDs []string) (orders map[string]orderRow, broken map[string]error, err error) {
+	args := make([]any, len(orderIDs))
+	for i, id := range orderIDs {
+		args[i] = id
+	}
+	rows, err := q.QueryContext(ctx, `
+		SELECT order_id, user_id, amount_cents, currency, items, payment_method, status,
+		       COALESCE(idempotency_key, ''), charge_id, refunded_cents, cancel_reason, created_at
+		FROM orders WHERE order_id IN (`+placeholders(len(orderIDs))+`)`, args...)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read orders: %w", err)
+	}
+	defer rows.Close()
+	orders, broken = map[string]orderRow{}, map[string]error{}
+	for rows.Next() {
+		var order orderRow
+		var items []byte
+		err := rows.Scan(&order.OrderID, &order.UserID, &order.AmountCents, &order.Currency, &items, &order.PaymentMethod,
+			&order.Status, &order.IdempotencyKey, &order.ChargeID, &order.RefundedCents, &order.CancelReason, &order.CreatedAt)
+		if err != nil {
+			return nil, nil, fmt.Errorf("read orders: %w", err)
+		}
+		if err := json.Unmarshal(items, &order.Items); err != nil {
+			broken[order.OrderID] = fmt.Errorf("decode items of order %s: %w", order.OrderID, err)
+			continue
+		}
+		orders[order.OrderID] = order
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, fmt.Errorf("read orders: %w", err)
+	}
+	return orders, broken, nil
+}
+
 // orderServiceConsumer is the order service's subscription: it moves an
 // order to paid or cancelled when the saga's result arrives.
 const orderServiceConsumer = "order-svc"

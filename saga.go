@@ -158,24 +158,19 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	if err := json.Unmarshal(msg.Payload, &payload); err != nil {
 		return permanent(fmt.Errorf("decode %s: %w", msg.Subject, err))
 	}
-	if _, err := readOrder(ctx, tx, payload.OrderID); err != nil {
-		if errors.Is(err, errOrderNotFound) {
-			return permanent(fmt.Errorf("OrderCreated for unknown order %s", payload.OrderID))
-		}
-		return err
-	}
 	now := formatTime(a.now())
 	sagaID := a.newID("saga")
 	steps := fulfilmentSteps()
 	// The steps run later, each in a span of its own that links to the
 	// message's creation context: the saga keeps it.
 	traceparent, tracestate := msg.Trace.columns()
+	// Only for an order that exists, and only once per order.
 	started, err := tx.ExecContext(ctx, `
 		INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at,
 		                            started_by, traceparent, tracestate)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		SELECT ?, order_id, ?, ?, ?, ?, ?, ?, ?, ? FROM orders WHERE order_id = ?
 		ON CONFLICT (order_id) DO NOTHING`,
-		sagaID, payload.OrderID, sagaInProgress, steps[0], now, now, now, msg.ID, traceparent, tracestate)
+		sagaID, sagaInProgress, steps[0], now, now, now, msg.ID, traceparent, tracestate, payload.OrderID)
 	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
 	}
@@ -183,12 +178,17 @@ func (a *App) startFulfilment(ctx context.Context, tx *sql.Tx, msg message) erro
 	if err != nil {
 		return fmt.Errorf("insert saga: %w", err)
 	}
-	if n == 0 {
-		// The order has its saga: this is the OrderCreated that started
-		// it, come again, or a second one (sagaAlreadyStarted).
-		return sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)
+	if n == 1 {
+		return nil
 	}
-	return nil
+	if _, err := readOrder(ctx, tx, payload.OrderID); errors.Is(err, errOrderNotFound) {
+		return permanent(fmt.Errorf("OrderCreated for unknown order %s", payload.OrderID))
+	} else if err != nil {
+		return err
+	}
+	// The order has its saga: this is the OrderCreated that started it,
+	// come again, or a second one (sagaAlreadyStarted).
+	return sagaAlreadyStarted(ctx, tx, payload.OrderID, msg.ID)
 }
 
 // readSaga reads a saga and its steps in step order, in one statement
