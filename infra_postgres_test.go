@@ -63,8 +63,11 @@ func TestIsPostgresURL(t *testing.T) {
 
 // Ensure withTx keeps read-then-write transactions serializable on
 // PostgreSQL as BEGIN IMMEDIATE does on SQLite: concurrent read-modify-write
-// cycles lose no update (READ COMMITTED would) and none fails (without the
-// retry, PostgreSQL's serialization failures would reach the caller).
+// cycles lose no update (READ COMMITTED would), and they fail only as busy
+// (503 to a client), after maxTxAttempts lost serialization conflicts in a
+// row: without the retry, nearly every one would. Eight writers on one row
+// on a loaded machine now and then exhaust the attempts; what counts is
+// that every cycle that succeeded is in the row.
 func TestConcurrentReadModifyWrite(t *testing.T) {
 	env := MustOpenApp(t)
 	ctx := context.Background()
@@ -89,13 +92,22 @@ func TestConcurrentReadModifyWrite(t *testing.T) {
 	}
 	wg.Wait()
 	close(errs)
+	succeeded, busy := 0, 0
 	for err := range errs {
-		if err != nil {
+		switch {
+		case err == nil:
+			succeeded++
+		case isBusy(err):
+			busy++
+		default:
 			t.Fatal(err)
 		}
 	}
-	if got := env.count(t, `SELECT available FROM stock_items WHERE sku = 'sku-1'`); got != 1000-writers*rounds {
-		t.Fatalf("available = %d after %d decrements from 1000, want %d", got, writers*rounds, 1000-writers*rounds)
+	if busy > writers*rounds/10 {
+		t.Fatalf("%d of %d cycles failed busy: the retry is not retrying", busy, writers*rounds)
+	}
+	if got := env.count(t, `SELECT available FROM stock_items WHERE sku = 'sku-1'`); got != 1000-succeeded {
+		t.Fatalf("available = %d after %d decrements from 1000, want %d", got, succeeded, 1000-succeeded)
 	}
 }
 

@@ -75,6 +75,10 @@ type isoSession struct {
 	// client marks a request a client sends again until it has an answer
 	// (the processor, for a webhook).
 	client bool
+	// alone marks an operation that two processes must never both do for
+	// one thing: run beside itself, no publish or delivery may be
+	// absorbed as a duplicate (each claims what the other does not).
+	alone bool
 	// lateFor, if set, makes the session a late one: it moves the clock
 	// past a lease before it runs, as a process does that takes over the
 	// work of one paused past its lease. It is paired only with the
@@ -193,12 +197,15 @@ type isoSlot struct {
 	tables  []string
 	// known are the violations the fixture holds by design, before any
 	// session runs: a failed event waits for an operator.
-	known   map[violation]bool
-	schema  string
-	admin   *sql.DB
-	clock   *fakeClock
-	procs   [2]*isoProcess
-	settler *isoProcess
+	known map[violation]bool
+	// duplicates is how many publishes and deliveries the fixture's
+	// broker and inboxes absorbed as duplicates (duplicatesOf).
+	duplicates int
+	schema     string
+	admin      *sql.DB
+	clock      *fakeClock
+	procs      [2]*isoProcess
+	settler    *isoProcess
 	// lost holds the replays whose first delivery the broker loses.
 	mu   sync.Mutex
 	lost map[string]bool
@@ -393,6 +400,9 @@ func (h *isoHarness) openSlot(t *testing.T, base string, i int) *isoSlot {
 	for _, v := range violations {
 		s.known[v] = true
 	}
+	if s.duplicates, err = duplicatesOf(ctx, fixture); err != nil {
+		t.Fatal(err)
+	}
 	s.schema = testPostgresSchema(t, base)
 	s.admin = mustConnect(t, s.schema)
 	s.clock = newFakeClock(s.fixture.now)
@@ -567,9 +577,10 @@ func isoSessions(f isoFixture) []isoSession {
 	createBody := orderBody(1500, "sku-rare", 1, pmCardVisa)
 	return []isoSession{
 		{name: "create", client: true, run: func(ctx context.Context, p *isoProcess) error {
-			return isoAnswer("create", p.post("/api/orders", "iso-create", createBody), 201, 409, 503)
+			// Never 409: a duplicate waits for the key's lock, then replays.
+			return isoAnswer("create", p.post("/api/orders", "iso-create", createBody), 201, 503)
 		}},
-		{name: "relay", run: func(ctx context.Context, p *isoProcess) error {
+		{name: "relay", alone: true, run: func(ctx context.Context, p *isoProcess) error {
 			_, err := p.app.relayOnce(ctx, p.name, relayBatchSize)
 			return err
 		}},
@@ -577,11 +588,11 @@ func isoSessions(f isoFixture) []isoSession {
 			_, err := p.app.reconcileOnce(ctx, p.name, relayBatchSize)
 			return err
 		}},
-		{name: "payment consumer", run: func(ctx context.Context, p *isoProcess) error {
+		{name: "payment consumer", alone: true, run: func(ctx context.Context, p *isoProcess) error {
 			_, err := p.app.consumeOnce(ctx, p.consumer(paymentServiceConsumer), consumeBatchSize)
 			return err
 		}},
-		{name: "order consumer", run: func(ctx context.Context, p *isoProcess) error {
+		{name: "order consumer", alone: true, run: func(ctx context.Context, p *isoProcess) error {
 			_, err := p.app.consumeOnce(ctx, p.consumer(orderServiceConsumer), consumeBatchSize)
 			return err
 		}},
@@ -802,9 +813,10 @@ func buildIsoFixture(t *testing.T, base string) isoFixture {
 	if err := env.app.broker.ack(ctx, lost...); err != nil {
 		t.Fatal(err)
 	}
-	// A saga due, for the last unit of sku-rare, which the create session
-	// orders too.
+	// Two sagas due for the last unit of sku-rare, which the create
+	// session orders too: one reserves it, the other is cancelled.
 	create("iso-saga", orderBody(1700, "sku-rare", 1, pmCardVisa))
+	create("iso-saga-2", orderBody(1750, "sku-rare", 1, pmCardVisa))
 	relay()
 	consume(payments)
 	// An OrderCreated delivered to nobody yet, and one not published yet.
@@ -1013,6 +1025,12 @@ func (s *isoSlot) oracle(ctx context.Context, settled bool) error {
 			{"applied more than once by " + isoLedger, `SELECT message_id || ' ' || applications || ' times' FROM iso_applied WHERE applications > 1`},
 			{"never applied by " + isoLedger, `SELECT event_type || ' ' || event_id || ' of ' || aggregate_id || ' (' || status || ', delivered ' || COALESCE(delivered_at, 'no') || ', inbox row ' || COALESCE((SELECT status FROM inbox_messages i WHERE i.consumer = 'iso-ledger' AND i.message_id = e.event_id), 'none') || ')' FROM outbox_events e WHERE NOT EXISTS (SELECT 1 FROM iso_applied a WHERE a.message_id = e.event_id)`},
 			{"logged as finished by two refund finish runs", `SELECT target FROM repair_log WHERE action = 'refund finish' AND result LIKE '%; finished' GROUP BY target HAVING COUNT(*) > 1`},
+			// What a repair repairs is set aside once here; two repairs of
+			// it are two operators, or two workers, acting on one read.
+			{"repaired twice", `SELECT action || ' ' || target FROM repair_log WHERE action IN ('saga resume', 'outbox retry', 'inbox replay') GROUP BY action, target HAVING COUNT(*) > 1`},
+			// A saga held back by a constraint its own statements should
+			// have kept (a conditional UPDATE split into a read and a write).
+			{"a saga failed on an integrity constraint", `SELECT saga_id || ': ' || last_error FROM saga_instances WHERE last_error LIKE '%SQLSTATE 23%'`},
 		} {
 			rows, err := s.admin.QueryContext(ctx, q.query)
 			if err != nil {
@@ -1037,6 +1055,18 @@ func (s *isoSlot) oracle(ctx context.Context, settled bool) error {
 		return errors.New(strings.Join(found, "\n"))
 	}
 	return nil
+}
+
+// duplicatesOf returns how many publishes the broker and deliveries the
+// inboxes of db absorbed as duplicates.
+func duplicatesOf(ctx context.Context, db *sql.DB) (int, error) {
+	var n int
+	err := db.QueryRowContext(ctx, `
+		SELECT (SELECT COALESCE(SUM(duplicates), 0) FROM broker_messages) + (SELECT COALESCE(SUM(duplicates), 0) FROM inbox_messages)`).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count duplicates: %w", err)
+	}
+	return n, nil
 }
 
 // runPair runs a and b through every interleaving: a paused before each
@@ -1070,6 +1100,12 @@ func (h *isoHarness) runPair(t *testing.T, a, b isoSession) (ran, states int) {
 					if sessionErr != nil {
 						err = fmt.Errorf("%s: %w", order[i].name, sessionErr)
 					}
+				}
+			}
+			if err == nil && order[0].alone && order[0].name == order[1].name {
+				var n int
+				if n, err = duplicatesOf(ctx, s.admin); err == nil && n != s.duplicates {
+					err = fmt.Errorf("two at once did one thing twice: %d duplicates absorbed, the fixture had %d", n, s.duplicates)
 				}
 			}
 			var state string
@@ -1177,7 +1213,13 @@ func TestTwoSessions(t *testing.T) {
 		{"inbox replay", "cleanup"}: true,
 		// Both logged one refund key as finished by them.
 		{"refund finish", "refund finish"}: true,
-		{"create", "create"}:               true,
+		// A client's duplicate request waits for the first, and replays it.
+		{"create", "create"}: true,
+		// A refund request paused past its lease, and the client's retry
+		// that takes its key over: the only test that sees the takeover's
+		// conditions on the key's row, or a refund's transaction below
+		// SERIALIZABLE.
+		{"refund", "refund retried past the lease"}: true,
 	}
 	var pairs [][2]isoSession
 	for i, a := range sessions {
