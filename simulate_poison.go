@@ -126,11 +126,6 @@ func (s *simulation) neverFailed(ctx context.Context, consumerName, messageID st
 	return err == nil && !seen
 }
 
-// inPoisonRun reports whether consumerName's run fails messageID.
-func (s *simulation) inPoisonRun(consumerName, messageID string) bool {
-	return s.poisonRun != nil && s.poisonRun.consumer == consumerName && s.poisonRun.messageID == messageID
-}
-
 // judgePoisonRun judges what a committed pass of a consumer, action, did
 // with the run's message: the failure that makes it poison is the
 // maxDeliveries-th, and no earlier one does. The pass's results are nil
