@@ -102,20 +102,24 @@ func declarationName(name string) string {
 	return strings.Replace(name, ")", "", 1)
 }
 
-// Ensure each function, type or constant the glossary and the first page's
-// table of names point to is declared in the file they name: a rename
+// Ensure each function, type or constant the glossary, the tour's engine
+// box and the first page's table of names point to is declared in the file they name: a rename
 // would otherwise leave a reader looking for a function that is gone.
 func TestDocsNameRealDeclarations(t *testing.T) {
-	glossary, err := os.ReadFile("docs/glossary.md")
-	if err != nil {
-		t.Fatal(err)
-	}
 	checked := 0
-	for _, m := range glossaryCode.FindAllStringSubmatch(string(glossary), -1) {
-		for _, name := range regexp.MustCompile("`([^`]+)`").FindAllStringSubmatch(m[2], -1) {
-			checked++
-			if _, err := declarationSource(m[1], declarationName(name[1])); err != nil {
-				t.Errorf("docs/glossary.md: %v", err)
+	// The tour's box of engine functions links its files as the glossary
+	// does.
+	for _, page := range []string{"docs/glossary.md", tourPath} {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range glossaryCode.FindAllStringSubmatch(string(text), -1) {
+			for _, name := range regexp.MustCompile("`([^`]+)`").FindAllStringSubmatch(m[2], -1) {
+				checked++
+				if _, err := declarationSource(m[1], declarationName(name[1])); err != nil {
+					t.Errorf("%s: %v", page, err)
+				}
 			}
 		}
 	}

@@ -162,3 +162,29 @@ func TestDeclarationSource(t *testing.T) {
 		t.Fatal("got no error for fingerprint without its receiver: the method is not a function")
 	}
 }
+
+// tourMaxLines is the length of a tour read in an hour.
+const tourMaxLines = 600
+
+// Ensure the tour stays a tour: at most tourMaxLines lines, so that it is
+// read in an hour and not skimmed; and each page that speaks of atomic
+// phases says where they come from (Stripe's design, as Brandur Leach
+// describes it), since neither article has them.
+func TestDocsTourIsShort(t *testing.T) {
+	tour, err := os.ReadFile(tourPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lines := bytes.Count(tour, []byte("\n")); lines > tourMaxLines {
+		t.Errorf("%s has %d lines; a tour read in an hour has at most %d", tourPath, lines, tourMaxLines)
+	}
+	for _, page := range []string{tourPath, "README.md", "docs/reading-order.md"} {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(text), "atomic phases") && !strings.Contains(string(text), "Brandur Leach") {
+			t.Errorf("%s speaks of atomic phases without saying they come from Stripe's design as Brandur Leach describes it", page)
+		}
+	}
+}
