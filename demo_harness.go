@@ -61,6 +61,11 @@ type demo struct {
 	// the checks that failed then (the story goes on, to show the hole).
 	without layer
 	failed  []string
+	// deliveries counts, per consumer and message id, the deliveries the
+	// story saw handled and how many of them were applied, as the
+	// consumer passes and the webhook's answers reported them once
+	// committed: without the inbox no table records it.
+	deliveries []*messageDeliveries
 
 	// mu guards the faults below, which the server's goroutines reach.
 	mu sync.Mutex
@@ -424,6 +429,7 @@ func (d *demo) consume(ctx context.Context, name string) ([]receiveResult, error
 			continue
 		}
 		results, err := d.app.consumeOnce(ctx, c, consumeBatchSize)
+		d.tally(name, results...)
 		for _, result := range results {
 			outcome := string(result.Outcome)
 			if result.Err != nil {
@@ -505,6 +511,7 @@ func (d *demo) settle(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
+			d.tally(c.name, results...)
 			did += len(results)
 			for _, result := range results {
 				if result.Outcome == inboxApplied {
@@ -524,4 +531,33 @@ func (d *demo) settle(ctx context.Context) error {
 	}
 	d.say("the relay, the consumers and the saga run: %d event(s) published, %d message(s) applied, %d saga pass(es)", published, applied, steps)
 	return nil
+}
+
+// messageDeliveries is how often one message came to one consumer in the
+// story, and how often the consumer applied it.
+type messageDeliveries struct {
+	consumer, messageID string
+	delivered, applied  int
+}
+
+// tally counts results, committed by consumer, in d.deliveries. consumeOnce
+// returns results only once their transaction committed (a pass that dies
+// after the commit, before its acks, returns them with its error).
+func (d *demo) tally(consumer string, results ...receiveResult) {
+	for _, result := range results {
+		var counted *messageDeliveries
+		for _, m := range d.deliveries {
+			if m.consumer == consumer && m.messageID == result.MessageID {
+				counted = m
+			}
+		}
+		if counted == nil {
+			counted = &messageDeliveries{consumer: consumer, messageID: result.MessageID}
+			d.deliveries = append(d.deliveries, counted)
+		}
+		counted.delivered++
+		if result.Outcome == inboxApplied {
+			counted.applied++
+		}
+	}
 }

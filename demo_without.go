@@ -56,7 +56,7 @@ func layerHoles() map[layer]hole {
 		},
 		layerInbox: {
 			naive:  "consumers apply every delivery, with no inbox row to say it was applied before",
-			effect: "a redelivered OrderCreated ran its effect again; only the saga's record of the event that started it kept a second saga from starting (the article's consumer, with no such record, charges twice), a webhook sent twice was applied twice, and with no inbox row nothing shows that any message was applied",
+			effect: "a redelivered OrderCreated ran its effect again; only the saga's record of the event that started it kept a second saga from starting (the article's consumer, with no such record, charges twice), a webhook sent twice was applied twice, and with no inbox row nothing in the database shows that any message was applied",
 			test:   "go test -run 'TestInbox/RedeliveryIsSkipped|TestInbox/CrashBeforeAckRedeliversAndSkips' .",
 		},
 		layerSaga: {

@@ -138,3 +138,18 @@ func TestDocsNameRealDeclarations(t *testing.T) {
 		t.Fatalf("checked %d names; the patterns no longer match the pages", checked)
 	}
 }
+
+// Ensure the debugging page opens with the line that installs Delve, right
+// under its title: a new machine has no dlv, and every command the page
+// shows needs it.
+func TestDocsDebuggingInstallsDelveFirst(t *testing.T) {
+	page, err := os.ReadFile("docs/debugging.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.SplitN(string(page), "\n", 5)
+	if len(lines) < 5 || !strings.HasPrefix(lines[0], "# ") || lines[1] != "" || lines[2] != "```sh" ||
+		!strings.HasPrefix(lines[3], "go install github.com/go-delve/delve/cmd/dlv@latest") {
+		t.Fatalf("docs/debugging.md does not open with its title and the Delve install line:\n%s", strings.Join(lines[:min(len(lines), 4)], "\n"))
+	}
+}

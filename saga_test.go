@@ -453,19 +453,29 @@ func TestSaga(t *testing.T) {
 	})
 
 	// Ensure a saga worker paused past its lease cannot undo the work of the
-	// worker that took its saga over. Worker A reads the saga (reserve_stock
-	// pending) and stalls; B claims it, reserves the last unit of sku-rare
-	// and stalls before charging; A resumes: its reserve finds no stock. Its
-	// writes are fenced by its lease, so it must stop there: no
-	// compensation, no OrderCancelled. B charges and confirms. Without
-	// fencing, A turned the saga to compensation, released B's reservation
-	// and cancelled the order, and B's charge was never refunded.
+	// worker that took its saga over. Worker A claims the saga and, in the
+	// claim's transaction, reserves the last unit of sku-rare; its next
+	// round reads charge_card pending and stalls before the charge, past
+	// its lease. B takes the saga over, charges the card, records
+	// charge_card done and stalls before confirm. A resumes with its old
+	// lease token: its charge, under the same key, is answered from the
+	// processor's key (B's charge); its record of charge_card finds B's
+	// row (errStepNotPending), so it reads the saga again and runs
+	// confirm, whose write ends with the compare-and-set on the token
+	// (advanceSaga): B's claim and charge moved the token on, so A's write fails
+	// (errSagaLeaseLost), confirm's effect rolls back with it, and A
+	// stops. B confirms: one charge, none refunded, no OrderCancelled.
+	//
+	// In this interleaving A's confirm without the compare-and-set would
+	// commit in B's place, to the same end: the test passes with
+	// advanceSaga unfenced (mutant SagaWritesUnfenced), which only the
+	// simulator catches (docs/break-it.md).
 	t.Run("StaleWorkerCannotUndoALiveOne", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-rare", 1, pmCardVisa)).Body, "order_id")
 		startSagas(t, env)
 
-		bReserved, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		bCharged, resumeB, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
 		// A test that fails while B is held still lets B go.
 		releaseB := sync.OnceFunc(func() { close(resumeB) })
 		t.Cleanup(releaseB)
@@ -475,19 +485,20 @@ func TestSaga(t *testing.T) {
 			}
 			switch worker := workerOf(ctx); {
 			case worker == "A" && pass == 1:
-				// A has read "reserve_stock pending" and stalls past its
-				// lease; B takes the saga over meanwhile.
+				// A has reserved the stock and read "charge_card pending",
+				// and stalls past its lease; B takes the saga over
+				// meanwhile.
 				env.clock.advance(env.app.leases.saga + time.Second)
 				go func() {
 					_, err := env.app.sagaOnce(withWorker(ctx, "B"), "worker-B", sagaBatchSize)
 					bDone <- err
 				}()
-				mustReceive(t, "worker B to take the saga over and reserve", bReserved)
+				mustReceive(t, "worker B to take the saga over and charge", bCharged)
 			case worker == "B" && pass == 3:
-				// B has reserved the last unit and is about to charge: it
-				// stalls, and A resumes.
-				close(bReserved)
-				_, err := await("the test to let worker B charge", resumeB)
+				// B has charged and is about to confirm: it stalls, and A
+				// resumes.
+				close(bCharged)
+				_, err := await("the test to let worker B confirm", resumeB)
 				return err
 			}
 			return nil

@@ -437,11 +437,10 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 	type step struct {
 		index                                  int64
 		name, status                           string
-		attempts                               int64
 		result, errText, doneAt, compensatedAt sql.NullString
 	}
 	rows, err := db.QueryContext(ctx, `
-		SELECT step_index, step_name, status, attempts, result, error, done_at, compensated_at
+		SELECT step_index, step_name, status, result, error, done_at, compensated_at
 		FROM saga_steps WHERE saga_id = ? ORDER BY step_index`, sagaID)
 	if err != nil {
 		return "", fmt.Errorf("read saga steps: %w", err)
@@ -449,7 +448,7 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 	var steps []step
 	for rows.Next() {
 		var s step
-		if err := rows.Scan(&s.index, &s.name, &s.status, &s.attempts, &s.result, &s.errText, &s.doneAt, &s.compensatedAt); err != nil {
+		if err := rows.Scan(&s.index, &s.name, &s.status, &s.result, &s.errText, &s.doneAt, &s.compensatedAt); err != nil {
 			rows.Close()
 			return "", fmt.Errorf("read saga steps: %w", err)
 		}
@@ -463,11 +462,17 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 	for _, s := range steps {
 		// The processor ledger keys each charge by saga and step, so a
 		// retried step finds its first charge instead of charging again.
-		if err := t.addProcessorCalls(ctx, db, `
+		calls, err := t.addProcessorCalls(ctx, db, `
 			SELECT charge_id, idempotency_key, amount_cents, currency, status, key_hits, created_at
-			FROM processor_charges WHERE idempotency_key = ?`, phaseSaga, traceSaga, "charge", sagaID+":"+s.name); err != nil {
+			FROM processor_charges WHERE idempotency_key = ?`, phaseSaga, traceSaga, "charge", sagaID+":"+s.name)
+		if err != nil {
 			return "", err
 		}
+		// saga_steps.attempts is always 1: a step's row is written once,
+		// when it has run. How often the saga asked for it is in the
+		// processor's ledger: a step retried after a lost answer (a
+		// timeout, a crash) asked again under the same key.
+		asked := askedProcessor(calls)
 		switch s.status {
 		case "pending":
 			continue // never ran
@@ -476,12 +481,19 @@ func (t *orderTrace) addSaga(ctx context.Context, db *sql.DB) (string, error) {
 			if len(t.rows) > 0 {
 				at = t.rows[len(t.rows)-1].at
 			}
+			text := traceText("step %d %s failed: %s", s.index, s.name, s.errText.String)
+			if asked != "" {
+				text += " (" + asked + ")"
+			}
 			t.addUntimed(at, "a failed step: saga_steps stores no time for it, ordered after the row before it",
-				phaseSaga, traceSaga, traceSaga, "step %d %s failed after %d attempt(s): %s", s.index, s.name, s.attempts, s.errText.String)
+				phaseSaga, traceSaga, traceSaga, "%s", text)
 		default: // done or compensated: it ran
-			text := traceText("step %d %s done after %d attempt(s)", s.index, s.name, s.attempts)
+			text := traceText("step %d %s done", s.index, s.name)
 			if s.result.Valid && s.result.String != "" {
-				text += ": " + terminalSafe(s.result.String)
+				text += " (" + terminalSafe(s.result.String) + ")"
+			}
+			if asked != "" {
+				text += ": " + asked
 			}
 			t.add(s.doneAt.String, phaseSaga, traceSaga, traceSaga, "%s", text)
 		}
@@ -510,28 +522,44 @@ func (t *orderTrace) addSagaStart(createdAt, sagaID string) {
 }
 
 // addProcessorCalls adds the processor calls that query finds in the
-// processor's ledger (charges or refunds). Each row is the first call;
-// key_hits counts the calls the processor answered from the key, whose
-// times it does not keep.
-func (t *orderTrace) addProcessorCalls(ctx context.Context, db *sql.DB, query string, phase int, caller, what string, args ...any) error {
+// processor's ledger (charges or refunds), and returns how many there were.
+// Each row is the first call; key_hits counts the calls the processor
+// answered from the key, whose times it does not keep.
+func (t *orderTrace) addProcessorCalls(ctx context.Context, db *sql.DB, query string, phase int, caller, what string, args ...any) (int64, error) {
 	rows, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
-		return fmt.Errorf("read processor %ss: %w", what, err)
+		return 0, fmt.Errorf("read processor %ss: %w", what, err)
 	}
 	defer rows.Close()
+	calls := int64(0)
 	for rows.Next() {
 		var id, idempotencyKey, currency, status, createdAt string
 		var amount, keyHits int64
 		if err := rows.Scan(&id, &idempotencyKey, &amount, &currency, &status, &keyHits, &createdAt); err != nil {
-			return fmt.Errorf("read processor %ss: %w", what, err)
+			return 0, fmt.Errorf("read processor %ss: %w", what, err)
 		}
 		t.add(createdAt, phase, caller, traceProcessor, "%s %d %s, key %s: %s %s", what, amount, currency, idempotencyKey, status, id)
 		for hit := int64(1); hit <= keyHits; hit++ {
 			t.addUntimed(createdAt, "a call answered from the key: the processor counts them (key_hits), placed at the first call",
 				phase, caller, traceProcessor, "%s, key %s: answered from the key (%s)", what, idempotencyKey, id)
 		}
+		calls += 1 + keyHits
 	}
-	return rows.Err()
+	return calls, rows.Err()
+}
+
+// askedProcessor says how often a saga step asked the processor, given
+// the calls its key received; "" for none or one, which the processor's
+// row above it already shows.
+func askedProcessor(calls int64) string {
+	switch {
+	case calls <= 1:
+		return ""
+	case calls == 2:
+		return "asked the processor twice, the second answered from its key"
+	default:
+		return fmt.Sprintf("asked the processor %d times, the last %d answered from its key", calls, calls-1)
+	}
 }
 
 // addRefunds adds the order's refunds and the processor calls that made
@@ -572,7 +600,7 @@ func (t *orderTrace) addRefunds(ctx context.Context, db *sql.DB) error {
 		t.add(r.createdAt, phaseRefund, traceAPI, traceAPI, "refund %s of %d written before the call (%s, now %s)", r.id, r.amount, r.source, r.status)
 		// processor_refunds has no currency; the charge's is the same. An
 		// API refund calls with key refund:<refund_id>.
-		if err := t.addProcessorCalls(ctx, db, `
+		if _, err := t.addProcessorCalls(ctx, db, `
 			SELECT p.refund_id, p.idempotency_key, p.amount_cents, c.currency, 'refunded', p.key_hits, p.created_at
 			FROM processor_refunds p JOIN processor_charges c ON c.charge_id = p.charge_id
 			WHERE p.idempotency_key = ?`, phaseRefund, traceAPI, "refund",
@@ -601,50 +629,28 @@ func idsByRole(s string) string {
 	return uuidPattern.ReplaceAllString(s, "${1}…")
 }
 
-// day returns the date every row of the timeline is on, or "" if they are
-// on several: the text then prints the date once, in its header.
-func (t *orderTrace) day() string {
-	day := ""
-	for _, row := range t.rows {
-		if len(row.at) < 10 {
-			continue
-		}
-		if day == "" {
-			day = row.at[:10]
-		} else if row.at[:10] != day {
-			return ""
-		}
-	}
-	return day
-}
-
-// printTrace writes the timeline as text, one row a line.
+// printTrace writes the timeline as text, one row a line, or more than one
+// when a row's text is wider than the room a terminal leaves it: the rest
+// continues under the text column (wrapRow). No text is cut. A row shows
+// its time of day; a line of its own names the day, before the first row
+// and before each row on a later day than the one above it, so the date
+// takes no room from the text.
 func printTrace(w io.Writer, t *orderTrace) error {
 	var buf bytes.Buffer
-	day := t.day()
-	fmt.Fprintln(&buf, t.header)
-	if day != "" {
-		fmt.Fprintf(&buf, "times are UTC on %s; ~ marks a row whose table stores no time for it (see below)\n", day)
-	} else {
-		fmt.Fprintln(&buf, "times are UTC; ~ marks a row whose table stores no time for it (see below)")
-	}
-	formatAt := func(at string) string {
-		// timeFormat: 2006-01-02T15:04:05.000000Z; show milliseconds.
-		if len(at) < len(timeFormat) {
-			return at
-		}
-		if day != "" {
-			return at[11:23]
-		}
-		return at[:10] + " " + at[11:23]
-	}
+	buf.WriteString(wrapRow("", 2, t.header))
+	fmt.Fprintln(&buf, "times are UTC; ~ marks a row whose table stores no time for it (see below)")
 	arrowWidth := 0
 	for _, row := range t.rows {
-		arrowWidth = max(arrowWidth, len(row.from+" -> "+row.to))
+		arrowWidth = max(arrowWidth, len([]rune(row.from+" -> "+row.to)))
 	}
 	var orderedBy []string
 	seen := map[string]bool{}
+	day := ""
 	for _, row := range t.rows {
+		if d := traceDay(row.at); d != "" && d != day {
+			day = d
+			fmt.Fprintf(&buf, "on %s:\n", day)
+		}
 		mark := " "
 		if row.orderedBy != "" {
 			mark = "~"
@@ -653,23 +659,85 @@ func printTrace(w io.Writer, t *orderTrace) error {
 				orderedBy = append(orderedBy, row.orderedBy)
 			}
 		}
-		line := fmt.Sprintf("%s%s  %-*s  %s", mark, formatAt(row.at), arrowWidth, row.from+" -> "+row.to, shortIDs(row.text))
-		fmt.Fprintln(&buf, fitWidth(line))
+		prefix := fmt.Sprintf("%s%s  %-*s  ", mark, traceTimeOfDay(row.at), arrowWidth, row.from+" -> "+row.to)
+		buf.WriteString(wrapRow(prefix, len([]rune(prefix)), shortIDs(row.text)))
 	}
 	// The final state is a summary, not a row: it is printed last, with
 	// the time the order last changed, which an earlier row may follow.
-	fmt.Fprintln(&buf, fitWidth(fmt.Sprintf(" final: %s (since %s)", shortIDs(t.final), formatAt(t.finalAt))))
+	since := t.finalAt
+	if d := traceDay(t.finalAt); d != "" {
+		since = d + " " + traceTimeOfDay(t.finalAt)
+	}
+	buf.WriteString(wrapRow(" final: ", len(" final: "), fmt.Sprintf("%s (since %s)", shortIDs(t.final), since)))
 	for _, o := range orderedBy {
-		fmt.Fprintln(&buf, fitWidth("~ "+o))
+		buf.WriteString(wrapRow("~ ", 2, o))
 	}
 	_, err := w.Write(buf.Bytes())
 	return err
 }
 
-// traceWidth is the widest line trace prints: a terminal beside the code.
+// traceDay returns the date of a stored time (timeFormat:
+// 2006-01-02T15:04:05.000000Z), or "" if at is not one.
+func traceDay(at string) string {
+	if len(at) < len(timeFormat) {
+		return ""
+	}
+	return at[:10]
+}
+
+// traceTimeOfDay returns a stored time's time of day to the millisecond,
+// or at as it is if it is not a stored time.
+func traceTimeOfDay(at string) string {
+	if len(at) < len(timeFormat) {
+		return at
+	}
+	return at[11:23]
+}
+
+// traceWidth is the widest line trace and inspect print: a terminal
+// beside the code.
 const traceWidth = 120
 
-// fitWidth cuts line to traceWidth; only a long error text is ever cut.
+// minTextRoom is the narrowest column wrapRow breaks a text into: with
+// wider participant names than the demo's, a line grows past traceWidth
+// rather than into a column of single words.
+const minTextRoom = 40
+
+// wrapRow returns prefix and text as lines of at most traceWidth columns,
+// each ending in a newline: text is broken at spaces (inside a word only
+// when the word alone is wider than the room), and every line after the
+// first starts with indent spaces. Nothing is cut: the lines hold every
+// character of text but the spaces they were broken at.
+func wrapRow(prefix string, indent int, text string) string {
+	var b strings.Builder
+	b.WriteString(prefix)
+	room := max(traceWidth-len([]rune(prefix)), minTextRoom)
+	rest := []rune(text)
+	for len(rest) > room {
+		cut := room
+		for i := room; i > 0; i-- {
+			if rest[i] == ' ' {
+				cut = i
+				break
+			}
+		}
+		b.WriteString(string(rest[:cut]))
+		b.WriteString("\n")
+		b.WriteString(strings.Repeat(" ", indent))
+		rest = rest[cut:]
+		if rest[0] == ' ' {
+			rest = rest[1:]
+		}
+		room = max(traceWidth-indent, minTextRoom)
+	}
+	b.WriteString(string(rest))
+	b.WriteString("\n")
+	return b.String()
+}
+
+// fitWidth cuts line to traceWidth, ending it with "...": inspect's brief
+// view does, and --wide shows what it cut. trace wraps its rows instead
+// (wrapRow), so that it never loses text.
 func fitWidth(line string) string {
 	if len([]rune(line)) <= traceWidth {
 		return line

@@ -117,6 +117,56 @@ func TestTrace(t *testing.T) {
 		}
 	})
 
+	// Ensure no row of the demo's first order is cut: a row wider than a
+	// terminal continues on the next lines, under the text column, and
+	// the rows the docs quote each fit on one line.
+	t.Run("RowsWhole", func(t *testing.T) {
+		out, err := runTraceCLI(t, "trace", "--db", path, orderIDs[0])
+		if err != nil {
+			t.Fatalf("trace: %v\n%s", err, out)
+		}
+		trace, err := traceOrder(context.Background(), db, orderIDs[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A continuation line starts with the spaces that reach the text
+		// column; a row starts with one space or ~ and its time.
+		rejoined := regexp.MustCompile(`\n {2,}`).ReplaceAllString(out, " ")
+		for _, row := range append(trace.rows, traceRow{text: trace.final}) {
+			if text := shortIDs(row.text); !strings.Contains(rejoined, text) {
+				t.Errorf("the row %q is not whole in:\n%s", text, out)
+			}
+		}
+		for _, quoted := range []*regexp.Regexp{
+			regexp.MustCompile(`(?m)  published evt_[0-9a-f]{8} again: a duplicate, dropped by message id$`),
+			regexp.MustCompile(`(?m)  charge, key saga_[0-9a-f]{8}:charge_card: answered from the key \(ch_[0-9a-f]{8}\)$`),
+		} {
+			if !quoted.MatchString(out) {
+				t.Errorf("no line matching %s in:\n%s", quoted, out)
+			}
+		}
+	})
+
+	// Ensure the charge the saga asked for twice says so: the processor's
+	// ledger counts the second request, answered from the key, and
+	// saga_steps, written once when the step has run, cannot.
+	t.Run("ChargeAskedTwiceSaysSo", func(t *testing.T) {
+		trace, err := traceOrder(context.Background(), db, orderIDs[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		var step string
+		for _, row := range trace.rows {
+			if strings.HasPrefix(row.text, "step 1 charge_card ") {
+				step = shortIDs(row.text)
+			}
+		}
+		want := regexp.MustCompile(`^step 1 charge_card done \(ch_[0-9a-f]{8}\): asked the processor twice, the second answered from its key$`)
+		if !want.MatchString(step) {
+			t.Errorf("got %q, want a match for %s", step, want)
+		}
+	})
+
 	// Ensure the diagram has one arrow per row of the database, for each
 	// order: one per key, outbox event, broker publish and absorbed
 	// duplicate, delivery, ack, saga step that ran, compensation and
@@ -266,6 +316,34 @@ func TestTrace(t *testing.T) {
 			t.Fatalf("got %v\n%s\nwant an error mentioning no database at retrysafe.db", err, out)
 		}
 	})
+}
+
+// Ensure wrapRow breaks a long text at spaces under its column, breaks a
+// word only when it alone is wider than the room, and loses nothing.
+func TestWrapRow(t *testing.T) {
+	prefix := strings.Repeat("p", 60)
+	words := strings.Repeat("word ", 30)
+	long := strings.Repeat("x", 150)
+	for _, text := range []string{"short", words, long, words + long + " end"} {
+		got := wrapRow(prefix, 60, text)
+		lines := strings.Split(strings.TrimSuffix(got, "\n"), "\n")
+		kept := strings.TrimPrefix(lines[0], prefix)
+		for _, line := range lines {
+			if n := len([]rune(line)); n > traceWidth {
+				t.Errorf("line of %d columns, want at most %d: %q", n, traceWidth, line)
+			}
+		}
+		for _, line := range lines[1:] {
+			continued, ok := strings.CutPrefix(line, strings.Repeat(" ", 60))
+			if !ok {
+				t.Fatalf("continuation line not under the text column: %q", line)
+			}
+			kept += continued
+		}
+		if strip := strings.NewReplacer(" ", ""); strip.Replace(kept) != strip.Replace(text) {
+			t.Errorf("got %q, want every character of %q", got, text)
+		}
+	}
 }
 
 // readmeDiagram matches docs/inspect-and-trace.md's generated trace diagram.
