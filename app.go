@@ -153,6 +153,10 @@ type App struct {
 	// repairAudits holds a token while an audit after a repair runs: one
 	// at a time (auditAfterRepair).
 	repairAudits chan struct{}
+	// relayLeases remembers the relay lease each of this process's relays
+	// holds, so that a sweep reads no lease row while half of it remains
+	// (holdRelayLease).
+	relayLeases relayLeaseMemory
 	// repairAuditBudget bounds the audit that an /admin or console repair
 	// answers with (see answerAudit).
 	repairAuditBudget time.Duration

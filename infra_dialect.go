@@ -89,6 +89,13 @@ type dialect struct {
 	// other. SQLite has no row locks and needs none: the claim holds the
 	// write lock.
 	skipLocked string
+	// forShare ends a sub-SELECT that reads a lease a write depends on
+	// (markPublished's relay lease). On PostgreSQL, FOR SHARE makes the
+	// write wait for a takeover of the lease that is committing, and read
+	// the lease again once it has: without it, a statement that started
+	// before the takeover committed reads the old token and writes. SQLite
+	// needs none: one writer at a time.
+	forShare string
 
 	// readVersion returns the schema version a database is at, 0 for a new
 	// one. SQLite keeps it in the file header (PRAGMA user_version);
@@ -142,6 +149,7 @@ func sqliteDialect() *dialect {
 		lockKey:          "",
 		retryTx:          func(error) bool { return false },
 		skipLocked:       "",
+		forShare:         "",
 		readVersion:      `PRAGMA user_version`,
 		migrateTxOptions: nil,
 		setVersion:       func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
@@ -173,6 +181,7 @@ func postgresDialect() *dialect {
 			return code == pgSerializationFailure || code == pgDeadlockDetected
 		},
 		skipLocked:       "FOR UPDATE SKIP LOCKED",
+		forShare:         "FOR SHARE",
 		readVersion:      `SELECT COALESCE(MAX(version), 0) FROM schema_migrations`,
 		migrateTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
 		prepareMigration: []string{

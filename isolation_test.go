@@ -481,6 +481,11 @@ func (s *isoSlot) reset(ctx context.Context) error {
 		// the same rows (see stateOf).
 		ids := newIDs(rand.NewChaCha8([32]byte([]byte(fmt.Sprintf("%-32s", p.name)))))
 		p.app.newID, p.app.processor.newID = ids, ids
+		// The relay lease is the fixture's again: what a process
+		// remembers of it is as if it had just started.
+		p.app.relayLeases.mu.Lock()
+		p.app.relayLeases.held, p.app.relayLeases.sweeping = false, 0
+		p.app.relayLeases.mu.Unlock()
 	}
 	from, err := schemaOf(s.fixture.schema)
 	if err != nil {

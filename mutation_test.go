@@ -367,8 +367,34 @@ func mutations() []mutation {
 			catcher: "TestSetAsideFaults",
 			fault:   "review: the relay marks a batch published before the broker has it; a crash or a refused publish in between leaves events published that the broker never got, never retried and never failed",
 			edits: []mutationEdit{
-				{"outbox.go", "\t// One batch: a broker round trip per batch, not per event.\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {", "\tif err := a.markPublished(ctx, relayID, events); err != nil {\n\t\treturn 0, err\n\t}\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {"},
-				{"outbox.go", "\tif err := a.markPublished(ctx, relayID, events); err != nil {\n\t\treturn 0, err\n\t}\n\treturn len(events), nil", "\treturn len(events), nil"},
+				{"outbox.go", "\t// One batch: a broker round trip per batch, not per event.\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {", "\tif _, err := a.markPublished(ctx, events); err != nil {\n\t\treturn 0, err\n\t}\n\tif err := a.broker.publishBatch(ctx, msgs); err != nil {"},
+				{"outbox.go", "\tmarked, err := a.markPublished(ctx, events)\n\tif err != nil {\n\t\treturn 0, err\n\t}\n", "\tmarked := int64(len(events))\n"},
+			},
+		},
+		{
+			name:            "RelayLeaseRenewedWithItsToken",
+			catcher:         "TestOutbox/StaleRelayCannotFailAnEventAnotherPublished",
+			fault:           "retrysafe: a relay renewing the relay lease after it passed keeps its token, so a relay of the same name paused past the lease still counts its failures and marks against the events the new sweep is publishing",
+			simulatorMisses: "a stale relay's failure counts against an event only when its publish fails on the event's last attempt while the new sweep publishes it: the simulator's publish failures rarely reach the last attempt, and an event failed early is retried by its operator and settles",
+			edits: []mutationEdit{
+				{"outbox.go", "CASE WHEN lease_token = ?2 AND leased_until > ?3 THEN", "CASE WHEN lease_token = ?2 THEN"},
+			},
+		},
+		{
+			name:            "RelayTakesALiveLease",
+			catcher:         "TestOutbox/CrashAfterPublishRepublishes",
+			fault:           "retrysafe: any relay takes the relay lease, live or not; two relays publish the same events side by side, and a relay's claims are voided while it publishes them",
+			simulatorMisses: "its only effect is more copies of events that the broker's dedupe and the inboxes absorb: the simulator judges outcomes, which at-least-once publishing allows, and counts no publishes",
+			edits: []mutationEdit{
+				{"outbox.go", "WHERE name = ?5 AND (lease_token = ?2 OR holder = ?1 OR leased_until <= ?3)", "WHERE name = ?5"},
+			},
+		},
+		{
+			name:    "RelaysOfAProcessSweepSideBySide",
+			catcher: "TestOutbox/TwoRelaysNeverPublishTheSameEvent",
+			fault:   "retrysafe: two relays of one process sweep under its relay lease at once; a claim writes nothing, so both publish the same events",
+			edits: []mutationEdit{
+				{"outbox.go", "\tif live && m.sweeping != 0 {\n", "\tif live && m.sweeping != 0 && false {\n"},
 			},
 		},
 		{

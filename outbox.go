@@ -7,8 +7,8 @@
 //
 // Where the article's sample went wrong: its relay read pending rows and
 // published them without claiming them, so two relays running together
-// published every event twice in the same sweep. relayOnce claims a batch
-// under a lease first.
+// published every event twice in the same sweep. Here one relay at a time
+// holds the relay lease and publishes; the others wait for it to pass.
 
 package main
 
@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
@@ -87,8 +88,10 @@ type outboxEvent struct {
 	AggregateID string
 	Payload     []byte
 	Attempts    int
-	// LeaseToken is the event's lease_token after the relay's claim: the
-	// relay's marks take effect only while it still matches.
+	// LeaseToken is the token of the relay lease the event was claimed
+	// under (holdRelayLease): the relay's marks take effect only while the
+	// lease still has it. (The reconciler's copies carry the event's own
+	// lease_token instead: see deliver.go.)
 	LeaseToken int64
 	// Trace is the event's creation context (tracing.go), which the relay
 	// copies into the message.
@@ -139,56 +142,135 @@ func relayBackoff(base time.Duration, attempts int) time.Duration {
 	return min(backoff, 300*base)
 }
 
-// claimOutboxEvents leases up to limit publishable events to relayID. An
-// event is publishable when it is pending, due, not leased to a live relay,
-// and the oldest unpublished event of its aggregate: events of one order go
-// out in the order they were written, even with several relays.
-//
-// It claims rows by their status, never "every seq above the last one
-// published": on PostgreSQL a seq is assigned at insert, so an event may
-// become visible after one with a higher seq. A relay that sees event 2 of
-// an order while event 1 is being claimed by another relay (or is not yet
-// committed, if they were written by concurrent transactions) does not take
-// event 2: it is not the oldest unpublished event of its order.
-func (a *App) claimOutboxEvents(ctx context.Context, relayID string, limit int) ([]outboxEvent, error) {
-	var events []outboxEvent
-	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		events = nil
-		now := formatTime(a.now())
-		// lease_token + 1: each claim's fencing token (see markPublished).
-		rows, err := tx.QueryContext(ctx, `
-			UPDATE outbox_events
-			SET claimed_by = ?, claimed_until = ?, lease_token = lease_token + 1
-			WHERE seq IN (
-				SELECT e.seq FROM outbox_events e
-				WHERE e.status = 'pending'
-				  AND e.next_attempt_at <= ?
-				  AND (e.claimed_until IS NULL OR e.claimed_until <= ?)
-				  AND NOT EXISTS (
-					SELECT 1 FROM outbox_events earlier
-					WHERE earlier.aggregate_id = e.aggregate_id
-					  AND earlier.seq < e.seq
-					  AND earlier.status <> 'published')
-				ORDER BY e.seq
-				LIMIT ? `+skipLocked(a.db)+`)
-			RETURNING seq, event_id, event_type, aggregate_id, payload, attempts, lease_token, traceparent, tracestate`,
-			relayID, formatTime(a.now().Add(a.leases.relay)), now, now, limit)
-		if err != nil {
-			return fmt.Errorf("claim outbox events: %w", err)
-		}
-		events, err = scanClaimedEvents(rows)
-		return err
-	})
-	if err != nil {
-		return nil, err
-	}
-	return events, nil
+// relayLeaseName names the relay lease of a database: one relay at a time
+// publishes its outbox (relay_leases).
+const relayLeaseName = "outbox"
+
+// relayLeaseMemory is what a process knows of the relay lease: whether one
+// of its relays holds it, under which token, until when, and whether a
+// relay of the process is sweeping under it now (one at a time: two would
+// claim the same events, since a claim writes nothing).
+type relayLeaseMemory struct {
+	mu    sync.Mutex
+	held  bool
+	token int64
+	until time.Time
+	// sweeping is the token of the sweep in flight, 0 when none (a token
+	// is never 0: the first taking makes it 1).
+	sweeping int64
 }
 
-// scanClaimedEvents reads the events a claim's RETURNING gives (seq,
-// event_id, event_type, aggregate_id, payload, attempts, lease_token,
-// traceparent, tracestate), closes rows, and returns the events in the
-// order they were written: RETURNING gives no order.
+// holdRelayLease starts a sweep of relayID under the relay lease and
+// returns the lease's fencing token, taking the lease if it has passed; ok
+// is false while another relay holds it, in this process or another, and
+// relayID then publishes nothing. A sweep that got ok ends with
+// endRelaySweep.
+//
+// The lease is one row for the whole outbox, not a claim written into each
+// event: while one relay holds it no other publishes, so a claim is a read
+// and an event's row is written once, when it is marked published. Each
+// taking of the lease adds one to its token, and so does a renewal after
+// the lease passed: a relay's claims count only under the token they were
+// made with (markPublished), so a relay paused past its lease marks
+// nothing, whether or not another relay took over meanwhile. A renewal of
+// a live lease keeps the token. The holder renews when half the lease has
+// gone; until then a sweep costs no statement for the lease.
+//
+// A relay name is for one process at a time (serve's includes its pid). A
+// relay under the name of the holder takes the lease over at once, with a
+// new token: a process restarted under the same name does not wait out the
+// lease of the one that died.
+func (a *App) holdRelayLease(ctx context.Context, relayID string) (token int64, ok bool, err error) {
+	m := &a.relayLeases
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := a.now()
+	live := m.held && m.until.After(now)
+	if live && m.sweeping != 0 {
+		return 0, false, nil // another relay of this process is sweeping
+	}
+	if live && m.until.Sub(now) > a.leases.relay/2 {
+		m.sweeping = m.token
+		return m.token, true, nil
+	}
+	ours := int64(-1) // matches no lease: a new token
+	if m.held {
+		ours = m.token
+	}
+	until := now.Add(a.leases.relay)
+	err = a.db.QueryRowContext(ctx, `
+		UPDATE relay_leases
+		SET lease_token = CASE WHEN lease_token = ?2 AND leased_until > ?3 THEN lease_token ELSE lease_token + 1 END,
+		    holder = ?1, leased_until = ?4
+		WHERE name = ?5 AND (lease_token = ?2 OR holder = ?1 OR leased_until <= ?3)
+		RETURNING lease_token`,
+		relayID, ours, formatTime(now), formatTime(until), relayLeaseName).Scan(&token)
+	if errors.Is(err, sql.ErrNoRows) {
+		m.held = false
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("hold the relay lease: %w", err)
+	}
+	m.held, m.token, m.until, m.sweeping = true, token, until, token
+	return token, true, nil
+}
+
+// endRelaySweep ends the sweep holdRelayLease started under token. lost
+// says the sweep found the lease gone (its mark changed nothing): the next
+// sweep asks the database again.
+func (a *App) endRelaySweep(token int64, lost bool) {
+	m := &a.relayLeases
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.sweeping == token {
+		m.sweeping = 0
+	}
+	if lost && m.token == token {
+		m.held = false
+	}
+}
+
+// claimOutboxEvents returns up to limit publishable events to publish
+// under the relay lease's token (holdRelayLease); each carries it. An
+// event is publishable when it is pending, due, and the
+// oldest unpublished event of its aggregate: events of one order go out in
+// the order they were written.
+//
+// The claim writes nothing: the lease keeps other relays away. It picks
+// rows by their status, never "every seq above the last one published": on
+// PostgreSQL a seq is assigned at insert, so an event may become visible
+// after one with a higher seq. A relay that sees event 2 of an order while
+// event 1 is not yet committed (they were written by concurrent
+// transactions) does not take event 2: it is not the oldest unpublished
+// event of its order.
+func (a *App) claimOutboxEvents(ctx context.Context, token int64, limit int) ([]outboxEvent, error) {
+	// The join reads the lease's token with the events: a lease taken
+	// over since holdRelayLease gives nothing.
+	rows, err := a.db.QueryContext(ctx, `
+		SELECT e.seq, e.event_id, e.event_type, e.aggregate_id, e.payload, e.attempts, lease.lease_token, e.traceparent, e.tracestate
+		FROM outbox_events e
+		JOIN relay_leases lease ON lease.name = ? AND lease.lease_token = ?
+		WHERE e.status = 'pending'
+		  AND e.next_attempt_at <= ?
+		  AND NOT EXISTS (
+			SELECT 1 FROM outbox_events earlier
+			WHERE earlier.aggregate_id = e.aggregate_id
+			  AND earlier.seq < e.seq
+			  AND earlier.status <> 'published')
+		ORDER BY e.seq
+		LIMIT ?`,
+		relayLeaseName, token, formatTime(a.now()), limit)
+	if err != nil {
+		return nil, fmt.Errorf("claim outbox events: %w", err)
+	}
+	return scanClaimedEvents(rows)
+}
+
+// scanClaimedEvents reads the events a claim gives (seq, event_id,
+// event_type, aggregate_id, payload, attempts, lease_token, traceparent,
+// tracestate), closes rows, and returns them in the order they were
+// written (a RETURNING gives no order).
 func scanClaimedEvents(rows *sql.Rows) ([]outboxEvent, error) {
 	defer rows.Close()
 	var events []outboxEvent
@@ -213,16 +295,22 @@ func scanClaimedEvents(rows *sql.Rows) ([]outboxEvent, error) {
 // marks them published: the article's sweep_once(). It returns how many it
 // published.
 //
-// A crash after publishing and before marking leaves the events claimed; once
-// the lease passes, a relay publishes them again (the broker drops the copy by
-// message id). A failed publish is retried with relayBackoff, and after
+// A crash after publishing and before marking leaves the events pending; once
+// the relay lease passes, a relay publishes them again (the broker drops the
+// copy by message id). A failed publish is retried with relayBackoff, and after
 // maxPublishAttempts the event is marked failed: kept, shown by inspect,
 // never dropped.
 func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (published int, err error) {
 	// Sample flaw 9: it published pending rows without claiming them, so
-	// two relays published every event twice. Here a batch is claimed
-	// under a lease first.
-	events, err := a.claimOutboxEvents(ctx, relayID, batchSize)
+	// two relays published every event twice. Here only the relay that
+	// holds the relay lease publishes.
+	token, ok, err := a.holdRelayLease(ctx, relayID)
+	if err != nil || !ok {
+		return 0, err
+	}
+	lost := false
+	defer func() { a.endRelaySweep(token, lost) }()
+	events, err := a.claimOutboxEvents(ctx, token, batchSize)
 	if err != nil || len(events) == 0 {
 		return 0, err
 	}
@@ -244,9 +332,13 @@ func (a *App) relayOnce(ctx context.Context, relayID string, batchSize int) (pub
 	if err := a.fault.at(ctx, faultAfterPublish); err != nil {
 		return 0, err
 	}
-	if err := a.markPublished(ctx, relayID, events); err != nil {
+	marked, err := a.markPublished(ctx, events)
+	if err != nil {
 		return 0, err
 	}
+	// A mark that changed nothing found the lease taken over: the events
+	// are the new holder's to publish, and this relay's sweeps wait.
+	lost = marked == 0
 	return len(events), nil
 }
 
@@ -267,37 +359,46 @@ func (a *App) recordPublishFailures(ctx context.Context, relayID string, events 
 	return nil
 }
 
-// markPublished marks events published, in one statement for the batch.
-// Each event is marked only under the claim this relay made (its seq and
-// lease token): a relay that was paused past its lease, while another relay
-// claimed the event, leaves it alone, and the relay that took it over
-// publishes and marks it. (A relay name is not enough to tell: a restarted
-// process may reuse it.)
-func (a *App) markPublished(ctx context.Context, relayID string, events []outboxEvent) error {
+// markPublished marks events published, in one statement for the batch, and
+// returns how many it marked,
+// if the relay lease still has the token they were claimed under: a relay
+// that was paused past its lease, whether or not another relay took the
+// lease meanwhile, leaves them pending for the relay that holds it now,
+// which publishes them again (the broker drops the copy by message id). It
+// checks the token in the statement that writes, so that a takeover
+// cannot come between the check and the write; on PostgreSQL the check
+// waits for a takeover that is committing (dialect.forShare).
+func (a *App) markPublished(ctx context.Context, events []outboxEvent) (marked int64, err error) {
 	if len(events) == 0 {
-		return nil
+		return 0, nil
 	}
-	args := make([]any, 0, 2*len(events)+2)
-	args = append(args, formatTime(a.now()), relayID)
+	args := make([]any, 0, len(events)+3)
+	args = append(args, formatTime(a.now()))
 	for _, event := range events {
-		args = append(args, event.Seq, event.LeaseToken)
+		args = append(args, event.Seq)
 	}
-	_, err := a.db.ExecContext(ctx, `
+	args = append(args, relayLeaseName, events[0].LeaseToken)
+	result, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
-		SET status = 'published', published_at = ?, claimed_by = NULL, claimed_until = NULL
-		WHERE status = 'pending' AND claimed_by = ?
-		  AND (seq, lease_token) IN `+integerPairs(len(events)),
+		SET status = 'published', published_at = ?
+		WHERE status = 'pending' AND seq IN (`+placeholders(len(events))+`)
+		  AND EXISTS (SELECT 1 FROM relay_leases WHERE name = ? AND lease_token = ? `+dialectOf(a.db).forShare+`)`,
 		args...)
 	if err != nil {
-		return fmt.Errorf("mark %d outbox events published: %w", len(events), err)
+		return 0, fmt.Errorf("mark %d outbox events published: %w", len(events), err)
 	}
-	return nil
+	marked, err = result.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("mark %d outbox events published: %w", len(events), err)
+	}
+	return marked, nil
 }
 
 // recordPublishFailure releases a failed event for a later attempt, or marks
-// it failed after maxPublishAttempts. Only under this relay's claim: a stale
-// relay's failure must not count against (or fail) an event that another
-// relay has published or is publishing.
+// it failed after maxPublishAttempts. Only under the relay lease's token it
+// was claimed with (see markPublished): a stale relay's failure must not
+// count against (or fail) an event that another relay has published or is
+// publishing.
 func (a *App) recordPublishFailure(ctx context.Context, relayID string, event outboxEvent, publishErr error) error {
 	attempts := event.Attempts + 1
 	status := outboxPending
@@ -306,10 +407,11 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 	}
 	recorded, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
-		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?, claimed_by = NULL, claimed_until = NULL
-		WHERE event_id = ? AND status = 'pending' AND claimed_by = ? AND lease_token = ?`,
+		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?
+		WHERE event_id = ? AND status = 'pending'
+		  AND EXISTS (SELECT 1 FROM relay_leases WHERE name = ? AND lease_token = ? `+dialectOf(a.db).forShare+`)`,
 		status, attempts, formatTime(a.now().Add(relayBackoff(a.leases.publishBackoff, attempts))), publishErr.Error(),
-		event.EventID, relayID, event.LeaseToken)
+		event.EventID, relayLeaseName, event.LeaseToken)
 	if err != nil {
 		return fmt.Errorf("record publish failure of %s: %w", event.EventID, err)
 	}

@@ -179,6 +179,26 @@ func TestOutbox(t *testing.T) {
 		}
 	})
 
+	// Ensure a relay paused past its lease marks nothing once another
+	// relay has taken the lease: its events are the new holder's to
+	// publish and mark. Without the token in the mark, the stale relay's
+	// write landed beside the new holder's.
+	t.Run("StaleRelayMarksNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		token, events := mustClaimOneOrder(t, env, "relay-1")
+		env.clock.advance(env.app.leases.relay + time.Second)
+		taken, ok, err := env.app.holdRelayLease(ctx, "relay-2")
+		if err != nil || !ok || taken == token {
+			t.Fatalf("relay-2 got token %d (%v, %v); want a new token past relay-1's %d", taken, ok, err, token)
+		}
+		if n, err := env.app.markPublished(ctx, events); err != nil || n != 0 {
+			t.Fatalf("relay-1 marked %d, %v; want nothing under a lease taken over", n, err)
+		}
+		if got := env.str(t, `SELECT status FROM outbox_events`); got != "pending" {
+			t.Fatalf("event is %s, want pending for relay-2", got)
+		}
+	})
+
 	// Ensure a relay paused past its lease cannot fail an event that a
 	// relay under the same name (a restarted process) claimed since and is
 	// publishing. Relay A's publish fails after the pause, on the event's
@@ -226,6 +246,24 @@ func TestOutbox(t *testing.T) {
 	})
 }
 
+// mustClaimOneOrder creates an order, takes the relay lease for relayID and
+// claims the order's event under it; it returns the lease's token and the
+// claimed events.
+func mustClaimOneOrder(tb testing.TB, env *testEnv, relayID string) (int64, []outboxEvent) {
+	tb.Helper()
+	ctx := context.Background()
+	mustCreateOrder(tb, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+	token, ok, err := env.app.holdRelayLease(ctx, relayID)
+	if err != nil || !ok {
+		tb.Fatalf("got %v, %v; want the lease", ok, err)
+	}
+	events, err := env.app.claimOutboxEvents(ctx, token, relayBatchSize)
+	if err != nil || len(events) != 1 {
+		tb.Fatalf("claimed %d, %v; want the order's event", len(events), err)
+	}
+	return token, events
+}
+
 // insertEvent writes one outbox event for aggregateID in tx.
 func insertEvent(tb testing.TB, env *testEnv, tx *sql.Tx, eventType, aggregateID string) {
 	tb.Helper()
@@ -236,28 +274,6 @@ func insertEvent(tb testing.TB, env *testEnv, tx *sql.Tx, eventType, aggregateID
 	if err := insertOutboxEvent(context.Background(), tx, event, env.clock.now()); err != nil {
 		tb.Fatal(err)
 	}
-}
-
-// claimedTypes claims what relayID may publish now and returns the event
-// types, releasing the claim again.
-func claimedTypes(tb testing.TB, env *testEnv, relayID string) []string {
-	tb.Helper()
-	// A claim that waits for the other relay's lock instead of skipping
-	// the row fails here rather than hanging the test.
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	events, err := env.app.claimOutboxEvents(ctx, relayID, relayBatchSize)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	var types []string
-	for _, event := range events {
-		types = append(types, event.EventType)
-	}
-	if _, err := env.app.db.Exec(`UPDATE outbox_events SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?`, relayID); err != nil {
-		tb.Fatal(err)
-	}
-	return types
 }
 
 // On PostgreSQL transactions commit side by side, which SQLite's one writer
@@ -300,37 +316,46 @@ func TestOutboxConcurrentWriters(t *testing.T) {
 		}
 	})
 
-	// Ensure a relay skips the rows another relay is claiming right now,
-	// and does not take the next event of that order instead: it would go
-	// out before the first.
-	t.Run("ClaimInFlightHoldsItsOrder", func(t *testing.T) {
+	// Ensure a relay's mark that runs while another relay's takeover of
+	// the relay lease is committing waits for the takeover and marks
+	// nothing. Without FOR SHARE on the lease in the mark, its statement
+	// read the lease as it was when the statement began, found its token,
+	// and marked events the new holder was publishing.
+	t.Run("MarkBesideACommittingTakeoverMarksNothing", func(t *testing.T) {
 		env := MustOpenApp(t)
-		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
-			insertEvent(t, env, tx, "First", "ord_1")
-			insertEvent(t, env, tx, "Second", "ord_1")
-			insertEvent(t, env, tx, "Other", "ord_2")
-			return nil
-		})
+		_, events := mustClaimOneOrder(t, env, "relay-1")
+		takeover, err := env.app.db.BeginTx(ctx, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Another relay is between its claim's lock and its commit.
-		other, err := env.app.db.BeginTx(ctx, nil)
-		if err != nil {
+		defer takeover.Rollback()
+		if _, err := takeover.Exec(`UPDATE relay_leases SET lease_token = lease_token + 1, holder = 'relay-2'`); err != nil {
 			t.Fatal(err)
 		}
-		defer other.Rollback()
-		if _, err := other.Exec(`SELECT seq FROM outbox_events WHERE event_type = 'First' FOR UPDATE`); err != nil {
+		marked := make(chan error, 1)
+		go func() {
+			n, err := env.app.markPublished(ctx, events)
+			if err == nil && n != 0 {
+				err = fmt.Errorf("marked %d events under a lease taken over", n)
+			}
+			marked <- err
+		}()
+		for waiting := 0; waiting == 0; {
+			select {
+			case err := <-marked:
+				t.Fatalf("the mark did not wait for the takeover: %v", err)
+			case <-time.After(10 * time.Millisecond):
+			}
+			waiting = env.count(t, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%UPDATE outbox_events%'`)
+		}
+		if err := takeover.Commit(); err != nil {
 			t.Fatal(err)
 		}
-		if got := fmt.Sprint(claimedTypes(t, env, "relay-1")); got != "[Other]" {
-			t.Fatalf("claimed %s while First is locked, want [Other]", got)
-		}
-		if err := other.Rollback(); err != nil {
+		if err := mustReceive(t, "the mark to end", marked); err != nil {
 			t.Fatal(err)
 		}
-		if got := fmt.Sprint(claimedTypes(t, env, "relay-1")); got != "[First Other]" {
-			t.Fatalf("claimed %s, want [First Other]", got)
+		if got := env.str(t, `SELECT status FROM outbox_events`); got != "pending" {
+			t.Fatalf("event is %s, want pending for the lease's new holder", got)
 		}
 	})
 }

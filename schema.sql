@@ -422,3 +422,23 @@ ALTER TABLE saga_instances ADD COLUMN started_by TEXT;
 -- own: that index was one more b-tree page written and flushed by every
 -- create (a tenth of a create without its key on SQLite; 4% with it).
 DROP INDEX IF EXISTS outbox_events_pending_since;
+
+-- version 10
+
+-- relay_leases holds the relay lease: one relay at a time publishes the
+-- outbox, the one whose lease has not passed. With it a relay's claim is a
+-- read, and an event's row is written once, when it is marked published,
+-- instead of once more for a claim of its own (claimed_by, claimed_until
+-- and lease_token on outbox_events are the reconciler's now: deliver.go).
+-- lease_token is the fencing token: every taking of the lease, and every
+-- renewal after it passed, adds one; a relay's marks count only under the
+-- token it claimed with, so a relay paused past its lease marks nothing.
+-- One row, 'outbox', made here; a holder of '' is nobody.
+CREATE TABLE relay_leases (
+    name         TEXT PRIMARY KEY,
+    holder       TEXT NOT NULL,
+    lease_token  INTEGER NOT NULL,
+    leased_until TEXT NOT NULL
+);
+INSERT INTO relay_leases (name, holder, lease_token, leased_until)
+VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');

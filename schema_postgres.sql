@@ -383,3 +383,15 @@ ALTER TABLE saga_instances ADD COLUMN started_by TEXT;
 -- The oldest pending event is read from outbox_events_pending: see
 -- version 9 of schema.sql.
 DROP INDEX IF EXISTS outbox_events_pending_since;
+
+-- version 10
+
+-- The relay lease: see version 10 of schema.sql.
+CREATE TABLE relay_leases (
+    name         TEXT PRIMARY KEY,
+    holder       TEXT NOT NULL,
+    lease_token  BIGINT NOT NULL,
+    leased_until utc_time NOT NULL
+);
+INSERT INTO relay_leases (name, holder, lease_token, leased_until)
+VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');
