@@ -25,9 +25,10 @@ const (
 	// well within a day; Stripe keeps keys for 24 hours.
 	idempotencyKeyTTL = 24 * time.Hour
 
-	// relayLease is how long a relay owns the events it claimed. Publishing a
-	// batch takes milliseconds; a relay that has not marked its events after
-	// 30s has died, and another may take them over.
+	// relayLease is how long a relay holds the relay lease (holdRelayLease)
+	// without renewing it. Publishing a batch takes milliseconds; a relay
+	// that has not renewed after 30s has died or stalled, and another may
+	// take the lease over.
 	relayLease = 30 * time.Second
 	// maxPublishAttempts is how often the relay tries one event before it
 	// marks it failed for an operator. With relayBackoff that is about 8.5

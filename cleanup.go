@@ -11,10 +11,14 @@ import (
 )
 
 // Retention of delivered messages. An inbox row must outlive every possible
-// redelivery of its message, or a late duplicate would be applied again:
-// the broker redelivers within maxDeliveries*ackWait (minutes), so a week is
-// far beyond it; and a row whose delivery the embedded broker still holds
-// unacked is kept however old. A message that is poison for a consumer is kept however
+// redelivery of its message, or a late duplicate would be applied again. A
+// broker redelivers an unacked message for as long as it is unacked, so
+// age alone cannot bound it: a row whose delivery the embedded broker
+// still holds unacked is kept however old (the delete below checks it),
+// and a copy that comes after the row is gone (a republish, a redelivery
+// from NATS) is absorbed by the effect itself (a saga's started_by, an
+// order's status). A week is far beyond any redelivery of a healthy
+// consumer. A message that is poison for a consumer is kept however
 // old (its event and the broker's copy): an operator's replay needs it.
 const (
 	messageRetention = 7 * 24 * time.Hour

@@ -621,7 +621,7 @@ func (d *demo) printSummary(ctx context.Context) []string {
 		}
 	}
 	if len(wrong) == 0 {
-		fmt.Fprintf(d.out, "\n== Every effect happened as often as it should ==\n")
+		fmt.Fprintf(d.out, "\n== Each effect below happened as often as it should ==\n")
 	} else {
 		fmt.Fprintf(d.out, "\n== %d effect(s) did not happen as often as they should ==\n", len(wrong))
 	}

@@ -148,7 +148,7 @@ func Example_demo() {
 	// == 13. A day later, the refund client sends its key again ==
 	// -> 422 Unprocessable Entity
 	// ok: 422 /problems/idempotency-key-expired; still 1 refund of 2000
-	// == Every effect happened as often as it should ==
+	// == Each effect below happened as often as it should ==
 	// == Each message delivered more than once was applied once ==
 	// ok: all 31 invariants hold
 }
@@ -323,7 +323,7 @@ func TestDemoWithout(t *testing.T) {
 			`card charged for cart-7\s+2 charge calls\s+3\s+<- should be 1`,
 			`\n4 x VIOLATION an idempotency key maps to at most one order; the first: user-42 key pay-req-user-42-cart-7`,
 		}, []string{
-			`Every effect happened as often as it should`,
+			`Each effect below happened as often as it should`,
 		}},
 		{layerOutbox, []string{
 			`FAILED: every OrderCreated the payment service got was about an order that exists`,

@@ -1,6 +1,8 @@
 // The saga engine: how the decisions and steps of saga.go are applied to
-// many sagas at once, by several workers, safely. A first reading can skip
-// it. It claims due sagas (sagaRound: a read, and on PostgreSQL a row
+// many sagas at once, by several workers, safely. A first reading needs
+// only the functions the tour's box "Engine functions you cannot skip"
+// names (claimSagas, leaseSagas, sagaStepIn, scheduleRetry, sagaCalls,
+// runCompensation). It claims due sagas (sagaRound: a read, and on PostgreSQL a row
 // lock until the claiming transaction ends; the claim is written by the
 // saga's first step, or by leaseSagas when that step cannot run there and
 // then), and every write it makes for a saga ends with advanceSaga's

@@ -24,9 +24,10 @@
 // (runStep), compensate, and the one rule that keeps a slow worker from
 // doing harm (advanceSaga: a lease is not a lock, so every write for a
 // saga ends with a compare-and-set on its lease token). The engine that
-// applies them, infra_saga.go, can be skipped on a first reading: it
-// claims sagas and advances many together in rounds, with the processor
-// calls outside any transaction.
+// applies them, infra_saga.go, claims sagas and advances many together in
+// rounds, with the processor calls outside any transaction; on a first
+// reading, read only its functions that the tour's box "Engine functions
+// you cannot skip" names.
 
 package main
 

@@ -113,8 +113,9 @@ CREATE TABLE outbox_events (
     status          TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'published', 'failed')),
     attempts        INTEGER NOT NULL DEFAULT 0,
     next_attempt_at TEXT NOT NULL,
-    -- claimed_by/claimed_until are the relay's lease: two relays never
-    -- publish the same event in the same sweep.
+    -- claimed_by/claimed_until were the relay's claim on the event until
+    -- version 10 (relay_leases); the reconciler's claims use them now
+    -- (version 7).
     claimed_by      TEXT,
     claimed_until   TEXT,
     last_error      TEXT,
@@ -279,9 +280,10 @@ CREATE TABLE processor_refunds (
 -- the same worker name from a fresh one.
 ALTER TABLE saga_instances ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
 
--- lease_token is the fencing token of the relay's claim on an event: a relay
--- that was paused past its lease cannot mark published (or failed) an event
--- that another relay has claimed since.
+-- lease_token is the fencing token of a claim on an event: a worker that
+-- was paused past its lease cannot write for an event that another has
+-- claimed since. The relay's claims used it until version 10 (relay_leases
+-- has the relay's token now); the reconciler's still do (deliver.go).
 ALTER TABLE outbox_events ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
 
 -- inbox_failures counts, per consumer and message, the deliveries on which
@@ -303,7 +305,7 @@ CREATE TABLE inbox_failures (
 -- version 3
 
 -- Nothing: version 3 of schema_postgres.sql adds the triggers that wake
--- other processes' relays and consumers (see wakeup.go). SQLite has no way
+-- other processes' relays and consumers (see infra_wakeup.go). SQLite has no way
 -- to tell another process; processes on one file find each other's work by
 -- polling. The section keeps the two files' versions in step.
 

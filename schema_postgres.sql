@@ -297,7 +297,7 @@ CREATE TABLE inbox_failures (
 
 -- version 3
 
--- Wake-ups across processes (see wakeup.go): a new outbox event wakes the
+-- Wake-ups across processes (see infra_wakeup.go): a new outbox event wakes the
 -- relays, a new delivery the consumers, of every process that LISTENs.
 -- pg_notify in the writing transaction is delivered only if, and when, it
 -- commits, so a woken relay always finds what it was woken for. One

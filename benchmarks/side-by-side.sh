@@ -11,7 +11,8 @@
 # ../before COMMIT`): each group of benchmarks then runs there and here,
 # one right after the other, so before and after come from one run. With
 # RETRYSAFE_TEST_POSTGRES and RETRYSAFE_TEST_NATS set, the end-to-end
-# benchmark runs on PostgreSQL + NATS too. Output goes to
+# benchmark runs on PostgreSQL + NATS too, and then three rounds of DBOS
+# (the dbos-pg peer) and ours one after the other, at 8 and 64 clients. Output goes to
 # benchmarks/side-by-side.txt.
 set -euo pipefail
 peers=${1:?usage: benchmarks/side-by-side.sh PEERS_DIR [BEFORE_DIR]}
@@ -55,5 +56,18 @@ each() {
 		-benchtime 2000x -count 3 -timeout 30m .
 	if [ -n "${RETRYSAFE_TEST_POSTGRES:-}" ]; then
 		each "PostgreSQL${RETRYSAFE_TEST_NATS:+ + NATS}" go test -run '^$' -bench 'EndToEnd' -benchtime 1000x -count 1 -timeout 30m .
+		# DBOS on the same PostgreSQL, alternating with ours: the same
+		# clients, 16 SKUs on both sides, three rounds, so that the drift
+		# of the machine falls on both alike. Compare the median ratio.
+		for round in 1 2 3; do
+			for clients in 8 64; do
+				echo "## DBOS, $clients clients, round $round"
+				(cd "$peers/dbos-pg" && go run . -db 'postgres://postgres@127.0.0.1:5432/dbos_bench?sslmode=disable' \
+					-orders 2000 -clients "$clients" -skus 16 2>/dev/null | grep -E '^(dbos|check)')
+				echo "## retrysafe $(git rev-parse --short HEAD), $clients clients, round $round"
+				go test -run '^$' -bench "EndToEnd/clients-$clients-skus-16\$" -benchtime 2000x -count 1 -timeout 30m . |
+					grep -E '^Benchmark'
+			done
+		done
 	fi
 } 2>&1 | tee "$out"
