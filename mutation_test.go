@@ -35,7 +35,8 @@ type mutation struct {
 	catcher string
 	// simulatorMisses, when set, says why the simulator does not find this
 	// mutant within CI's seeds today: an open gap of the simulator, kept
-	// visible. The catcher must still fail on it.
+	// visible, and probed with a tenth of the seeds (TestMutations). The
+	// catcher must still fail on it.
 	simulatorMisses string
 }
 
@@ -181,7 +182,7 @@ func mutations() []mutation {
 			catcher: "TestInboxReplay/PoisonMessageOutlivesTheRetention",
 			fault:   "review: cleanup deletes old poison records too, and with them the only trace of a message an operator must replay",
 			edits: []mutationEdit{
-				{"cleanup.go", "FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?", "FROM inbox_messages i WHERE processed_at <= ?"},
+				{"cleanup.go", "\t\tWHERE status = 'done' AND processed_at <= ?1 AND (consumer, message_id) IN (\n\t\t\tSELECT consumer, message_id FROM inbox_messages i WHERE status = 'done' AND processed_at <= ?1", "\t\tWHERE processed_at <= ?1 AND (consumer, message_id) IN (\n\t\t\tSELECT consumer, message_id FROM inbox_messages i WHERE processed_at <= ?1"},
 			},
 		},
 		{
@@ -271,7 +272,8 @@ func mutations() []mutation {
 			catcher: "TestDelivery/EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt",
 			fault:   "review: an event is marked delivered once any consumer applied it, not each consumer of its subject; a message the broker lost for the other is never published again",
 			edits: []mutationEdit{
-				{"deliver.go", "\t\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets)+`)`,", "\t\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id))`,"},
+				{"deliver.go", "\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets)+`\n\t\t\tLIMIT ? `", "\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id)\n\t\t\tLIMIT ? `"},
+				{"deliver.go", "\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets),\n", "\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id)`,\n"},
 			},
 		},
 		{
@@ -391,7 +393,7 @@ func mutations() []mutation {
 		},
 		{
 			name:    "RelaysOfAProcessSweepSideBySide",
-			catcher: "TestOutbox/TwoRelaysNeverPublishTheSameEvent",
+			catcher: "TestOutbox/RelaysOfOneProcessTakeTurns",
 			fault:   "retrysafe: two relays of one process sweep under its relay lease at once; a claim writes nothing, so both publish the same events",
 			edits: []mutationEdit{
 				{"outbox.go", "\tif live && m.sweeping != 0 {\n", "\tif live && m.sweeping != 0 && false {\n"},
@@ -494,9 +496,10 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:    "CleanupIgnoresPendingDelivery",
-			catcher: "TestCleanupKeepsTheInboxRowOfAPendingDelivery",
-			fault:   "review: cleanup deletes a week-old inbox row while the broker still holds an unacked delivery of it: the redelivery is applied again",
+			name:            "CleanupIgnoresPendingDelivery",
+			catcher:         "TestCleanupKeepsTheInboxRowOfAPendingDelivery",
+			fault:           "review: cleanup deletes a week-old inbox row while the broker still holds an unacked delivery of it: the redelivery is applied again",
+			simulatorMisses: "the redelivery that comes after the row is gone is absorbed by the effect's own guard (a saga's started_by, a payment result the order already shows): the shipped consumers apply nothing twice, which is all the simulator judges; the row is the first line of defence, and its test says it is kept",
 			edits: []mutationEdit{
 				{"cleanup.go", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  AND NOT EXISTS (\n\t\t\t    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq\n\t\t\t    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')\n\t\t\t  -- Nor while its event is not delivered to every consumer: the", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  -- Nor while its event is not delivered to every consumer: the"},
 			},
@@ -652,14 +655,21 @@ func TestMutations(t *testing.T) {
 			if out, err := build.CombinedOutput(); err != nil {
 				t.Fatalf("build the mutant: %v\n%s", err, out)
 			}
-			// On SQLite, whatever database the catcher runs on.
+			// On SQLite, whatever database the catcher runs on. A known
+			// gap of the simulator gets a tenth of the seeds, at most
+			// 100: enough to notice the day it is found, without the
+			// minutes of a whole run that finds nothing.
+			mutantSeeds := seeds
+			if m.simulatorMisses != "" {
+				mutantSeeds = max(1, min(seeds/10, 100))
+			}
 			simulate := exec.Command(binary, "-test.run", "^TestSimulation$")
 			simulate.Dir = dir
-			simulate.Env = append(os.Environ(), simulationSeedsEnv+"="+strconv.Itoa(seeds), testPostgresEnv+"=")
+			simulate.Env = append(os.Environ(), simulationSeedsEnv+"="+strconv.Itoa(mutantSeeds), testPostgresEnv+"=")
 			out, err := simulate.CombinedOutput()
 			switch found := simulateFailure.FindStringSubmatch(string(out)); {
 			case err == nil && m.simulatorMisses != "":
-				t.Logf("%s: the simulator found nothing in %d seeds, a known gap: %s", m.fault, seeds, m.simulatorMisses)
+				t.Logf("%s: the simulator found nothing in %d seeds, a known gap: %s", m.fault, mutantSeeds, m.simulatorMisses)
 			case err == nil:
 				t.Fatalf("%s: the simulator found nothing in %d seeds", m.fault, seeds)
 			case found == nil:

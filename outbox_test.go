@@ -179,6 +179,36 @@ func TestOutbox(t *testing.T) {
 		}
 	})
 
+	// Ensure two relays of one process take turns under its relay lease:
+	// while one is between its claim and its mark, the other publishes
+	// nothing. A claim writes nothing, so without the turn both read the
+	// same events and publish them twice.
+	t.Run("RelaysOfOneProcessTakeTurns", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		type sweep struct {
+			published int
+			err       error
+		}
+		second := make(chan sweep, 1)
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			if workerOf(ctx) == "A" && point == faultPublish {
+				n, err := env.app.relayOnce(withWorker(ctx, "B"), "relay-2", relayBatchSize)
+				second <- sweep{n, err}
+			}
+			return nil
+		})
+		if n, err := env.app.relayOnce(withWorker(ctx, "A"), "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("relay-1 published %d, %v; want the order's event", n, err)
+		}
+		if got := mustReceive(t, "relay-2's sweep", second); got.err != nil || got.published != 0 {
+			t.Fatalf("relay-2 published %d, %v during relay-1's sweep; want nothing", got.published, got.err)
+		}
+		if got := env.count(t, `SELECT COALESCE(SUM(duplicates), 0) FROM broker_messages`); got != 0 {
+			t.Fatalf("got %d duplicate publishes, want 0", got)
+		}
+	})
+
 	// Ensure a relay paused past its lease marks nothing once another
 	// relay has taken the lease: its events are the new holder's to
 	// publish and mark. Without the token in the mark, the stale relay's
