@@ -382,7 +382,7 @@ func (a *App) markPublished(ctx context.Context, events []outboxEvent) (marked i
 		UPDATE outbox_events
 		SET status = 'published', published_at = ?
 		WHERE status = 'pending' AND seq IN (`+placeholders(len(events))+`)
-		  AND EXISTS (SELECT 1 FROM relay_leases WHERE name = ? AND lease_token = ? `+dialectOf(a.db).forShare+`)`,
+		  AND `+underRelayLease(a.db),
 		args...)
 	if err != nil {
 		return 0, fmt.Errorf("mark %d outbox events published: %w", len(events), err)
@@ -392,6 +392,13 @@ func (a *App) markPublished(ctx context.Context, events []outboxEvent) (marked i
 		return 0, fmt.Errorf("mark %d outbox events published: %w", len(events), err)
 	}
 	return marked, nil
+}
+
+// underRelayLease is the condition that makes a relay's write count only
+// while the relay lease still has the token its batch was claimed under;
+// its two parameters are the lease's name and that token (markPublished).
+func underRelayLease(db *sql.DB) string {
+	return `EXISTS (SELECT 1 FROM relay_leases WHERE name = ? AND lease_token = ? ` + dialectOf(db).forShare + `)`
 }
 
 // recordPublishFailure releases a failed event for a later attempt, or marks
@@ -409,7 +416,7 @@ func (a *App) recordPublishFailure(ctx context.Context, relayID string, event ou
 		UPDATE outbox_events
 		SET status = ?, attempts = ?, next_attempt_at = ?, last_error = ?
 		WHERE event_id = ? AND status = 'pending'
-		  AND EXISTS (SELECT 1 FROM relay_leases WHERE name = ? AND lease_token = ? `+dialectOf(a.db).forShare+`)`,
+		  AND `+underRelayLease(a.db),
 		status, attempts, formatTime(a.now().Add(relayBackoff(a.leases.publishBackoff, attempts))), publishErr.Error(),
 		event.EventID, relayLeaseName, event.LeaseToken)
 	if err != nil {
