@@ -274,10 +274,11 @@ func TestCrashAtEveryFaultPoint(t *testing.T) {
 				if p != point || fired {
 					return nil
 				}
-				// The processor losing a response, or not answering, is
-				// not our process dying: the caller sees a timeout.
+				// The processor losing a request or a response, or not
+				// answering, is not our process dying: the caller sees a
+				// timeout.
 				fired = true
-				if point == faultProcessorLoseResponse || point == faultProcessorRetrieve {
+				if point == faultProcessorLoseRequest || point == faultProcessorLoseResponse || point == faultProcessorRetrieve {
 					return errors.New("connection reset")
 				}
 				return errCrash

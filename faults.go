@@ -58,6 +58,11 @@ const (
 	// faultRefundAfterProcessor: the processor refunded, the key is not
 	// finished.
 	faultRefundAfterProcessor faultPoint = "refund.after_processor_call"
+	// faultProcessorLoseRequest: a charge or refund request is lost on the
+	// way to the processor, which never sees it. The caller sees the same
+	// timeout as for a lost response and cannot tell the two apart: only
+	// asking again under the same key makes it done, once.
+	faultProcessorLoseRequest faultPoint = "processor.lose_request"
 	// faultProcessorLoseResponse: the processor did the work and the
 	// response is lost on the way back.
 	faultProcessorLoseResponse faultPoint = "processor.lose_response"
@@ -86,6 +91,7 @@ func allFaultPoints() []faultPoint {
 		faultRefundKeyClaimed,
 		faultRefundStarted,
 		faultRefundAfterProcessor,
+		faultProcessorLoseRequest,
 		faultProcessorLoseResponse,
 		faultProcessorRetrieve,
 	}

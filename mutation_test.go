@@ -576,6 +576,30 @@ func mutations() []mutation {
 				{"inbox.go", "if maxFailures != noFailureLimit && failures >= maxFailures {", "if maxFailures != noFailureLimit && failures > maxFailures {"},
 			},
 		},
+		{
+			name:    "RefundRetryTakesALiveLease",
+			catcher: "TestHTTPRefund/CrashAt_",
+			fault:   "review: a refund's retry takes the key's lease over while the first send still holds it",
+			edits: []mutationEdit{
+				{"refund.go", "if key.LockedBy.Valid && key.LockedAt.Valid && key.LockedAt.String > formatTime(now.Add(-a.leases.refundLock)) {", "if false {"},
+			},
+		},
+		{
+			name:    "FailedStepUndone",
+			catcher: "TestSagaDecisions/StepsToUndo",
+			fault:   "review: compensation undoes the step that failed as well as the done ones; its record never turns compensated, so the saga's pass runs it again for ever",
+			edits: []mutationEdit{
+				{"saga.go", "\t\tif steps[i].Status == stepDone {\n", "\t\tif steps[i].Status != stepPending {\n"},
+			},
+		},
+		{
+			name:    "CompensationTimeoutCountsAsRefunded",
+			catcher: "TestSaga/CompensationThatKeepsFailingIsSurfaced",
+			fault:   "review: the compensating refund's timeout is taken for a refund made, and the charge is recorded undone though the processor never saw the request",
+			edits: []mutationEdit{
+				{"saga.go", "step.Result.String, run.order.AmountCents); err != nil {", "step.Result.String, run.order.AmountCents); err != nil && !errors.Is(err, errProcessorTimeout) {"},
+			},
+		},
 	}
 }
 

@@ -65,6 +65,9 @@ type chargeRequest struct {
 // errProcessorKeyReused, or errProcessorTimeout when the response was lost
 // (the charge may exist: retry with the same key to learn its id).
 func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, error) {
+	if err := p.loseRequest(ctx); err != nil {
+		return "", err
+	}
 	var chargeID, status string
 	var firstCall, keyHit bool
 	// Locked by its key, as a create is (keyTx): a saga round makes its
@@ -130,6 +133,9 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 // the refund id, or errRefundExceedsCharge, errProcessorKeyReused, or
 // errProcessorTimeout when the response was lost.
 func (p *Processor) refund(ctx context.Context, idempotencyKey, chargeID string, amountCents int64) (string, error) {
+	if err := p.loseRequest(ctx); err != nil {
+		return "", err
+	}
 	var refundID string
 	var keyHit bool
 	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
@@ -210,6 +216,12 @@ func (p *Processor) lookupRefund(ctx context.Context, refundID string) (string, 
 	return chargeID, amount, nil
 }
 
+// loseRequest returns errProcessorTimeout when the request is lost before
+// the processor sees it (faultProcessorLoseRequest): nothing is done there.
+func (p *Processor) loseRequest(ctx context.Context) error {
+	return asTimeout(p.fault.at(ctx, faultProcessorLoseRequest))
+}
+
 // loseResponse returns errProcessorTimeout when the answer to a call that
 // did its work is lost on the way back: always when lose is set, and
 // whenever the fault hook fires at faultProcessorLoseResponse.
@@ -217,8 +229,15 @@ func (p *Processor) loseResponse(ctx context.Context, lose bool) error {
 	if lose {
 		return errProcessorTimeout
 	}
-	if err := p.fault.at(ctx, faultProcessorLoseResponse); err != nil {
-		return fmt.Errorf("%w (%v)", errProcessorTimeout, err)
+	return asTimeout(p.fault.at(ctx, faultProcessorLoseResponse))
+}
+
+// asTimeout turns the error of a fault point on the way to or from the
+// processor into the timeout its caller sees. A crash stays a crash: a
+// process that died there releases nothing, and nobody is told anything.
+func asTimeout(err error) error {
+	if err == nil || errors.Is(err, errCrash) {
+		return err
 	}
-	return nil
+	return fmt.Errorf("%w (%v)", errProcessorTimeout, err)
 }

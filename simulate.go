@@ -135,6 +135,9 @@ type simCounts struct {
 	// Messages failed at every delivery, and poison's place in delivery
 	// (simulate_poison.go).
 	simPoisonCounts
+	// Processor requests lost on the way, and refund retries while a
+	// lease is held (simulate_held.go).
+	simHeldCounts
 	Repairs simRepairCounts
 }
 
@@ -179,6 +182,7 @@ func (c *simCounts) add(other simCounts) {
 	c.simSharedKeysCounts.add(other.simSharedKeysCounts)
 	c.simBoundaryCounts.add(other.simBoundaryCounts)
 	c.simPoisonCounts.add(other.simPoisonCounts)
+	c.simHeldCounts.add(other.simHeldCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -187,10 +191,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
 		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
-		c.simBoundaryCounts, c.simPoisonCounts)
+		c.simBoundaryCounts, c.simPoisonCounts, c.simHeldCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -294,6 +298,9 @@ type simRequest struct {
 	// signSkew is how far off our clock a webhook's signature is made
 	// (simulate_boundaries.go).
 	signSkew time.Duration
+	// leaseHolder is the send of this refund that claimed its key last
+	// and has not answered since (simulate_held.go).
+	leaseHolder *simAction
 }
 
 // simAnswer is one HTTP answer a client got.
@@ -335,6 +342,9 @@ type simulation struct {
 	step      int
 	quiescing bool
 	webhooks  []string
+	// sagaSteps counts the saga steps started since the simulation's
+	// last step, or quiescing's last pass (simulate_held.go).
+	sagaSteps int
 	// refusedEvents are the ids of the signed events the simulator made
 	// invalid on purpose: poison is the right outcome for them.
 	refusedEvents []string
@@ -667,6 +677,7 @@ func (s *simulation) oneStep(ctx context.Context) error {
 			return err
 		}
 	}
+	s.sagaSteps = 0
 	// Time passes between any two events, a little.
 	s.clock.advance(time.Duration(s.rng.IntN(400)) * time.Millisecond)
 	if returned, err := s.clientReturns(ctx); returned {
@@ -821,12 +832,22 @@ func (s *simulation) crash(ctx context.Context, process *simProcess) error {
 // only go on or crash (it holds the write lock: nothing else could run).
 // Elsewhere it hands control back to the simulator and waits to be resumed.
 func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
+	if err := s.countSagaStep(point); err != nil {
+		return err
+	}
 	action := s.current
 	if action == nil || s.quiescing {
 		return nil
 	}
 	if action.crashed {
 		return errCrash
+	}
+	s.heldLease(action, point)
+	if err := s.loseRequest(action, point); err != nil {
+		return err
+	}
+	if err := s.refuseShipment(ctx, action, point); err != nil {
+		return err
 	}
 	if abandoned, err := s.killAbandoned(ctx, action, point); abandoned {
 		return err
@@ -1646,6 +1667,9 @@ func (s *simulation) answered(ctx context.Context, action *simAction) error {
 		sentAt: action.sentAt, lifeStart: req.lifeStart, replayed: action.recorder.Header().Get("Idempotent-Replayed") == "true"}
 	req.answers = append(req.answers, answer)
 	s.tracef("a%d %s %s: %d %s", action.id, action.process.name, action.what, answer.status, shorten(answer.body, 120))
+	if err := s.judgeHeldLease(action, answer); err != nil {
+		return err
+	}
 	if answer.status >= 500 && answer.status != http.StatusServiceUnavailable {
 		s.report.Counts.Answers5xx++
 		return s.fail("%s %s key %s got %d: %s", req.method, req.path, req.key, answer.status, answer.body)
@@ -1943,7 +1967,11 @@ func (s *simulation) quiesce(ctx context.Context) error {
 			}
 		}
 		for _, process := range s.processes[2:] {
+			s.sagaSteps = 0
 			n, err := s.app.runWorkersOnce(ctx, process.name)
+			if s.violation != nil {
+				return s.violation
+			}
 			if err != nil {
 				return s.fail("workers while quiet: %v", err)
 			}

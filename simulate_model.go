@@ -56,6 +56,9 @@ type simModel struct {
 	// dashboard are the refunds made at the processor's dashboard, by
 	// order id (an order may be told of only after its refund was made).
 	dashboard map[string][]*simRequest
+	// refused are the orders whose shipment the warehouse may have
+	// refused, by id (simulate_held.go).
+	refused map[string]bool
 }
 
 // modelOrder is what the model knows of one order.
@@ -74,6 +77,7 @@ func newSimModel() *simModel {
 	return &simModel{
 		keys:      map[string][]*simRequest{},
 		orders:    map[string]*modelOrder{},
+		refused:   map[string]bool{},
 		stocked:   map[string]int64{"sku-1": 1000, "sku-2": 1000, "sku-rare": 1},
 		demand:    map[string]int64{},
 		dashboard: map[string][]*simRequest{},
@@ -309,7 +313,8 @@ func (m *simModel) fate(order *modelOrder) (mayBePaid, mayBeCancelled bool) {
 			plentiful = false
 		}
 	}
-	return true, !plentiful
+	// The warehouse may have refused its shipment (simulate_held.go).
+	return true, !plentiful || m.refused[order.id]
 }
 
 // refundBounds are what the model knows of an order's refunds: what our
