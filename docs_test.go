@@ -1,6 +1,10 @@
 package main
 
 import (
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -152,4 +156,97 @@ func TestDocsDebuggingInstallsDelveFirst(t *testing.T) {
 		!strings.HasPrefix(lines[3], "go install github.com/go-delve/delve/cmd/dlv@latest") {
 		t.Fatalf("docs/debugging.md does not open with its title and the Delve install line:\n%s", strings.Join(lines[:min(len(lines), 4)], "\n"))
 	}
+}
+
+// readingListRow matches a row of reading-order.md's "One question, a
+// hundred lines": the question, what to read, the lines, the test.
+var readingListRow = regexp.MustCompile("^\\| ([^|]+) \\| ([^|]+) \\| ([0-9]+) \\| `(Test[A-Za-z0-9_]+)[^`]*` \\|$")
+
+// readingListSpan matches one file's functions in a row's "Read" cell:
+// `file.go` `name` A-B, `name` A-B.
+var readingListSpan = regexp.MustCompile("`([a-z_]+\\.go)` ((?:`[A-Za-z]+` [0-9]+-[0-9]+(?:, )?)+)")
+
+// Ensure each row of reading-order.md's reading lists names functions at
+// the lines it gives (from the doc comment to the closing brace), adds
+// them up right, and names a test that exists: a reader who reads those
+// lines reads the whole function, and nothing else.
+func TestDocsReadingListsSpanTheirFunctions(t *testing.T) {
+	page, err := os.ReadFile("docs/reading-order.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, found := strings.Cut(string(page), "\n## One question, a hundred lines\n")
+	if !found {
+		t.Fatal("docs/reading-order.md has no section \"One question, a hundred lines\"")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	tests := map[string]bool{}
+	testFiles, err := filepath.Glob("*_test.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, file := range testFiles {
+		text, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range regexp.MustCompile(`(?m)^func (Test\w+)\(`).FindAllStringSubmatch(string(text), -1) {
+			tests[m[1]] = true
+		}
+	}
+	rows, total := 0, 0
+	for _, line := range strings.Split(section, "\n") {
+		row := readingListRow.FindStringSubmatch(line)
+		if row == nil {
+			continue
+		}
+		rows++
+		sum := 0
+		for _, span := range readingListSpan.FindAllStringSubmatch(row[2], -1) {
+			for _, fn := range regexp.MustCompile("`([A-Za-z]+)` ([0-9]+)-([0-9]+)").FindAllStringSubmatch(span[2], -1) {
+				first, last, err := declarationLines(span[1], fn[1])
+				if err != nil {
+					t.Errorf("%q: %v", row[1], err)
+					continue
+				}
+				if want := fmt.Sprintf("%d-%d", first, last); fn[2]+"-"+fn[3] != want {
+					t.Errorf("%q: %s %s is at %s-%s in the page, %s in the code", row[1], span[1], fn[1], fn[2], fn[3], want)
+				}
+				sum += last - first + 1
+			}
+		}
+		if fmt.Sprint(sum) != row[3] {
+			t.Errorf("%q: the page says %s lines, its functions have %d", row[1], row[3], sum)
+		}
+		if !tests[row[4]] {
+			t.Errorf("%q: no test %s", row[1], row[4])
+		}
+		total += sum
+	}
+	if rows < 10 {
+		t.Fatalf("found %d rows; the pattern no longer matches the page", rows)
+	}
+	t.Logf("%d questions, %d lines of Go", rows, total)
+}
+
+// declarationLines returns the first and last line of the function or
+// method name in file, from its doc comment to its closing brace.
+func declarationLines(file, name string) (first, last int, err error) {
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, decl := range f.Decls {
+		fn, ok := decl.(*ast.FuncDecl)
+		if !ok || fn.Name.Name != name {
+			continue
+		}
+		start := fn.Pos()
+		if fn.Doc != nil {
+			start = fn.Doc.Pos()
+		}
+		return fset.Position(start).Line, fset.Position(fn.End()).Line, nil
+	}
+	return 0, 0, fmt.Errorf("%s declares no function %s", file, name)
 }
