@@ -158,8 +158,9 @@ func TestDocsDebuggingInstallsDelveFirst(t *testing.T) {
 	}
 }
 
-// readingListRow matches a row of reading-order.md's "One question, a
-// hundred lines": the question, what to read, the lines, the test.
+// readingListRow matches a row of reading-order.md's "Questions, and the
+// lines that answer them": the question, what to read, the lines, the
+// test.
 var readingListRow = regexp.MustCompile("^\\| ([^|]+) \\| ([^|]+) \\| ([0-9]+) \\| `(Test[A-Za-z0-9_]+)[^`]*` \\|$")
 
 // readingListSpan matches one file's functions in a row's "Read" cell:
@@ -175,9 +176,9 @@ func TestDocsReadingListsSpanTheirFunctions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, found := strings.Cut(string(page), "\n## One question, a hundred lines\n")
+	_, section, found := strings.Cut(string(page), "\n## Questions, and the lines that answer them\n")
 	if !found {
-		t.Fatal("docs/reading-order.md has no section \"One question, a hundred lines\"")
+		t.Fatal("docs/reading-order.md has no section \"Questions, and the lines that answer them\"")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
 	tests := map[string]bool{}
