@@ -367,6 +367,13 @@ func (a *App) refundPhaseStarted(ctx context.Context, req idempotentRequest, lea
 			INSERT INTO refunds (refund_id, order_id, amount_cents, status, source, idempotency_key, created_at, updated_at)
 			VALUES (?, ?, ?, 'pending', 'api', ?, ?, ?)`,
 			a.newID("rf"), orderID, amount, req.IdempotencyKey, formatTime(now), formatTime(now))
+		if isUniqueViolation(err) {
+			// A refund of this order under this key committed since this
+			// transaction's lease check: a retry that took the key over
+			// (on PostgreSQL; SQLite's one writer rules it out). The key
+			// is no longer this request's.
+			return errKeyInProgress
+		}
 		if err != nil {
 			return fmt.Errorf("insert refund: %w", err)
 		}

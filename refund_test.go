@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -641,4 +642,64 @@ func TestHTTPRefundKeyExpiry(t *testing.T) {
 // failure instead of ending the test.
 func send(ts *httptest.Server, method, path, apiKey, idempotencyKey, body string) (response, error) {
 	return sendWith(ts.Client(), method, ts.URL+path, apiKey, idempotencyKey, body)
+}
+
+// Ensure a refund request whose key a retry took over between its lease
+// check and its refund's insert answers "in progress", not 500, on
+// PostgreSQL: its insert waits for the retry's uncommitted refund under
+// the same key, and meets it once the retry commits (SQLSTATE 23505, which
+// PostgreSQL does not turn into a serialization failure when the other
+// insert was still in flight). The isolation harness's pair refund /
+// refund retried past the lease found it, in one run out of two or three.
+func TestRefundConcurrentWriters(t *testing.T) {
+	if os.Getenv(testPostgresEnv) == "" {
+		t.Skipf("PostgreSQL only: set %s to a database URL (SQLite has one writer, so no insert waits on another's)", testPostgresEnv)
+	}
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	ts := newTestServer(t, env)
+	orderID := paidOrderOverHTTP(t, env, ts, 5000)
+	req, refund := refundRequestFor(t, orderID, "r1", `{"amount_cents":2000}`)
+	_, lease, replay, err := env.app.acquireKey(ctx, req)
+	if err != nil || replay != nil {
+		t.Fatalf("acquire: %v %v", replay, err)
+	}
+	// The retry: it takes the key over and records its refund, and has
+	// not committed yet.
+	retry, err := env.app.db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer retry.Rollback()
+	now := formatTime(env.clock.now())
+	if _, err := retry.Exec(`UPDATE idempotency_keys SET locked_by = 'lease-of-the-retry', recovery_point = ? WHERE idempotency_key = 'r1'`, recoveryRefundRequested); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := retry.Exec(`
+		INSERT INTO refunds (refund_id, order_id, amount_cents, status, source, idempotency_key, created_at, updated_at)
+		VALUES ('rf_retry', ?, 2000, 'pending', 'api', 'r1', ?, ?)`, orderID, now, now); err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan error, 1)
+	go func() {
+		_, err := env.app.refundPhaseStarted(ctx, req, lease, orderID, refund)
+		started <- err
+	}()
+	for waiting := 0; waiting == 0; {
+		select {
+		case err := <-started:
+			t.Fatalf("the first request's phase did not wait for the retry's insert: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		waiting = env.count(t, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO refunds%'`)
+	}
+	if err := retry.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := mustReceive(t, "the first request's phase to end", started); !errors.Is(err, errKeyInProgress) {
+		t.Fatalf("the first request's phase got %v, want errKeyInProgress (answered 409)", err)
+	}
+	if got := env.str(t, `SELECT string_agg(refund_id, ',') FROM refunds`); got != "rf_retry" {
+		t.Fatalf("refunds %s, want the retry's only", got)
+	}
 }
