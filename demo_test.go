@@ -440,7 +440,7 @@ func TestDocsReadingOrder(t *testing.T) {
 	}
 	_, section, _ := strings.Cut(string(readme), "## Read it in this order")
 	section, _, _ = strings.Cut(section, "\n## ")
-	counts := regexp.MustCompile("`([a-z_]+\\.(?:go|sql))` \\((\\d+)").FindAllStringSubmatch(section, -1)
+	counts := regexp.MustCompile("`([a-z_]+\\.(?:go|sql))`\\s+\\((\\d+)").FindAllStringSubmatch(section, -1)
 	if len(counts) < 10 {
 		t.Fatalf("docs/reading-order.md's reading order gives %d line counts; want one for each file it lists", len(counts))
 	}

@@ -392,9 +392,10 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:    "RelaysOfAProcessSweepSideBySide",
-			catcher: "TestOutbox/RelaysOfOneProcessTakeTurns",
-			fault:   "retrysafe: two relays of one process sweep under its relay lease at once; a claim writes nothing, so both publish the same events",
+			name:            "RelaysOfAProcessSweepSideBySide",
+			catcher:         "TestOutbox/RelaysOfOneProcessTakeTurns",
+			fault:           "retrysafe: two relays of one process sweep under its relay lease at once; a claim writes nothing, so both publish the same events",
+			simulatorMisses: "as RelayTakesALiveLease: the copies it publishes are absorbed by the broker's dedupe and the inboxes, and the simulator counts no publishes (it found one run in 419 seeds, by chance, and none in 800 once its random choices moved)",
 			edits: []mutationEdit{
 				{"outbox.go", "\tif live && m.sweeping != 0 {\n", "\tif live && m.sweeping != 0 && false {\n"},
 			},
