@@ -674,8 +674,10 @@ func TestMutations(t *testing.T) {
 			// with its tests takes about twice as long as without, so
 			// the simulator runs as TestSimulation in the same binary as
 			// the catcher, not in a second build of the command.
+			// Without DWARF (-ldflags=-w): nobody debugs a mutant, and the
+			// link is about a sixth of the build (10.9 s against 8.7 s alone).
 			binary := filepath.Join(dir, "retrysafe.test")
-			build := exec.Command("go", "test", "-c", "-o", binary, ".")
+			build := exec.Command("go", "test", "-c", "-ldflags=-w", "-o", binary, ".")
 			build.Dir = dir
 			if out, err := build.CombinedOutput(); err != nil {
 				t.Fatalf("build the mutant: %v\n%s", err, out)
