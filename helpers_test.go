@@ -470,3 +470,18 @@ func mustWait(tb testing.TB, what string, wg *sync.WaitGroup) {
 	}()
 	mustReceive(tb, what, done)
 }
+
+// waitOnLock waits until PostgreSQL shows a statement containing statement
+// waiting on a lock, and fails tb with notWaiting if done delivers first:
+// the operation that should have waited ended instead.
+func waitOnLock(tb testing.TB, env *testEnv, statement string, done <-chan error, notWaiting string) {
+	tb.Helper()
+	for waiting := 0; waiting == 0; {
+		select {
+		case err := <-done:
+			tb.Fatalf("%s: %v", notWaiting, err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		waiting = env.count(tb, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE ?`, "%"+statement+"%")
+	}
+}

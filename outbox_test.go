@@ -370,14 +370,7 @@ func TestOutboxConcurrentWriters(t *testing.T) {
 			}
 			marked <- err
 		}()
-		for waiting := 0; waiting == 0; {
-			select {
-			case err := <-marked:
-				t.Fatalf("the mark did not wait for the takeover: %v", err)
-			case <-time.After(10 * time.Millisecond):
-			}
-			waiting = env.count(t, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%UPDATE outbox_events%'`)
-		}
+		waitOnLock(t, env, "UPDATE outbox_events", marked, "the mark did not wait for the takeover")
 		if err := takeover.Commit(); err != nil {
 			t.Fatal(err)
 		}

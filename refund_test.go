@@ -685,14 +685,7 @@ func TestRefundConcurrentWriters(t *testing.T) {
 		_, err := env.app.refundPhaseStarted(ctx, req, lease, orderID, refund)
 		started <- err
 	}()
-	for waiting := 0; waiting == 0; {
-		select {
-		case err := <-started:
-			t.Fatalf("the first request's phase did not wait for the retry's insert: %v", err)
-		case <-time.After(10 * time.Millisecond):
-		}
-		waiting = env.count(t, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO refunds%'`)
-	}
+	waitOnLock(t, env, "INSERT INTO refunds", started, "the first request's phase did not wait for the retry's insert")
 	if err := retry.Commit(); err != nil {
 		t.Fatal(err)
 	}
