@@ -216,6 +216,23 @@ func (p *Processor) lookupRefund(ctx context.Context, refundID string) (string, 
 	return chargeID, amount, nil
 }
 
+// remaining returns how much of charge chargeID is left to refund (its
+// amount less what was refunded), as a processor's "retrieve a charge"
+// call tells. Returns errProcessorTimeout when no answer comes
+// (faultProcessorRetrieve).
+func (p *Processor) remaining(ctx context.Context, chargeID string) (int64, error) {
+	if err := p.fault.at(ctx, faultProcessorRetrieve); err != nil {
+		return 0, fmt.Errorf("%w (%v)", errProcessorTimeout, err)
+	}
+	var remaining int64
+	err := p.db.QueryRowContext(ctx, `SELECT amount_cents - refunded_cents FROM processor_charges WHERE charge_id = ?`,
+		chargeID).Scan(&remaining)
+	if err != nil {
+		return 0, fmt.Errorf("processor: read charge %s: %w", chargeID, err)
+	}
+	return remaining, nil
+}
+
 // loseRequest returns errProcessorTimeout when the request is lost before
 // the processor sees it (faultProcessorLoseRequest): nothing is done there.
 func (p *Processor) loseRequest(ctx context.Context) error {

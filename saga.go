@@ -514,7 +514,11 @@ func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) erro
 		if err := a.fault.at(ctx, faultBeforeProcessorCall); err != nil {
 			return err
 		}
-		if _, err := a.processor.refund(ctx, refundKey(run.saga.SagaID), step.Result.String, run.order.AmountCents); err != nil {
+		_, err := a.processor.refund(ctx, refundKey(run.saga.SagaID), step.Result.String, run.order.AmountCents)
+		if errors.Is(err, errRefundExceedsCharge) {
+			err = a.refundTheRest(ctx, run, step)
+		}
+		if err != nil {
 			return err
 		}
 		if err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {
@@ -528,6 +532,26 @@ func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) erro
 		// and never compensates.
 		return fmt.Errorf("bug: saga %s cannot undo step %q", run.saga.SagaID, step.Name)
 	}
+}
+
+// refundTheRest gives back what remains of step's charge, when the
+// processor refused the compensation's refund of the order's amount
+// (errRefundExceedsCharge): part or all of the charge was refunded
+// meanwhile by other means (from the processor's dashboard), and that
+// money is back already. Without it, the compensation failed the same way
+// at every attempt, and the order stayed unpaid and never cancelled.
+//
+// The refund of the rest has a key of its own with its amount in it: a
+// retry that finds less remaining (another refund came between) asks for
+// less under another key, and the processor never refunds more than the
+// charge. One whose answer was lost is found on the retry: nothing remains.
+func (a *App) refundTheRest(ctx context.Context, run *sagaRun, step sagaStepRow) error {
+	remaining, err := a.processor.remaining(ctx, step.Result.String)
+	if err != nil || remaining == 0 {
+		return err
+	}
+	_, err = a.processor.refund(ctx, fmt.Sprintf("%s:rest:%d", refundKey(run.saga.SagaID), remaining), step.Result.String, remaining)
+	return err
 }
 
 // cancelOrder ends run's saga once its done steps are undone

@@ -257,6 +257,42 @@ func TestSaga(t *testing.T) {
 		}
 	})
 
+	// Ensure a compensation whose charge was refunded in part or in full
+	// from the processor's dashboard meanwhile refunds what remains, and
+	// nothing more: the processor refused the refund of the whole amount
+	// at every attempt, and the order was never cancelled.
+	for _, dashboard := range []int64{1500, 5000} {
+		t.Run(fmt.Sprintf("CompensationRefundsWhatRemainsAfterADashboardRefundOf%d", dashboard), func(t *testing.T) {
+			env := MustOpenApp(t)
+			failConfirm(env, func(point faultPoint, pass int) error {
+				if point == faultAfterProcessorCall && pass == 1 {
+					chargeID := env.str(t, `SELECT charge_id FROM processor_charges`)
+					if _, err := env.app.processor.refund(ctx, "dashboard-1", chargeID, dashboard); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return nil
+			})
+			orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+			if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=compensated charge_card=compensated confirm=failed" {
+				t.Fatalf("saga: %s", got)
+			}
+			if got := env.str(t, `SELECT amount_cents || ':' || refunded_cents FROM processor_charges`); got != "5000:5000" {
+				t.Fatalf("charge captured:refunded = %s, want 5000:5000", got)
+			}
+			want := "1500,3500"
+			if dashboard == 5000 {
+				want = "5000"
+			}
+			if got := env.str(t, `SELECT GROUP_CONCAT(amount_cents) FROM (SELECT amount_cents FROM processor_refunds ORDER BY created_at, amount_cents)`); got != want {
+				t.Fatalf("refunds %s, want %s", got, want)
+			}
+			if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderCancelled) {
+				t.Fatalf("order is %s, want cancelled", got)
+			}
+		})
+	}
+
 	// Ensure a crash anywhere in the compensation, then a resume, undoes
 	// each step exactly once (the sample ran a compensation before recording
 	// it).

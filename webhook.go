@@ -86,6 +86,10 @@ var (
 	// errPaymentNotRecorded: the charge is one our saga made, and the
 	// order has not heard of it yet (the event overtook PaymentCaptured).
 	errPaymentNotRecorded = errors.New("the order of this charge has not recorded its payment yet; deliver the event again later")
+	// errChargeOfCancelledOrder: the charge is one our saga made for an
+	// order it then cancelled (a later step failed, and the charge was
+	// refunded, or found refunded, by its compensation).
+	errChargeOfCancelledOrder = errors.New("the charge is of an order that was cancelled")
 )
 
 // errBadSignature is returned for a webhook whose signature is missing,
@@ -256,6 +260,7 @@ func (a *App) verifyChargeRefunded(ctx context.Context, event processorEvent) (e
 //
 // Returns a permanent error for an event that can never apply, and
 // errPaymentNotRecorded or errRefundInFlight for one that came too early.
+// A refund of the charge of an order we cancelled changes nothing.
 //
 // unconfirmed is what verifyChargeRefunded found (nil if the processor
 // confirmed the refund): checked last, right before the refund is counted.
@@ -275,6 +280,13 @@ func (a *App) applyChargeRefunded(ctx context.Context, tx *sql.Tx, event process
 		return permanent(fmt.Errorf("charge.refunded data.amount_cents must be positive, got %d", amount))
 	}
 	order, err := orderOfCharge(ctx, tx, data)
+	if errors.Is(err, errChargeOfCancelledOrder) {
+		// The money of an order we cancelled went back: by our saga's
+		// compensation, or from the processor's dashboard before it.
+		// Nothing is owed either way: the event is applied as it is, if
+		// the processor confirms the refund it names.
+		return unconfirmed
+	}
 	if err != nil {
 		return err
 	}
@@ -351,20 +363,25 @@ func orderOfCharge(ctx context.Context, tx *sql.Tx, data chargeRefundedData) (or
 	}
 	// The saga writes the charge id on its step as soon as the processor
 	// answers; the order hears of it later, through the outbox and its
-	// inbox. A refund announced in between is early, not unknown.
-	var charged bool
+	// inbox. A refund announced in between is early, not unknown. And a
+	// saga that cancels its order after the charge (a later step failed)
+	// refunds it: that refund, or one made from the dashboard before the
+	// compensation's, is of a charge we know, of an order that is owed
+	// nothing.
+	var sagaOrderStatus orderStatus
 	err = tx.QueryRowContext(ctx, `
-		SELECT EXISTS (
-			SELECT 1 FROM saga_steps st
-			JOIN saga_instances s ON s.saga_id = st.saga_id
-			JOIN orders o ON o.order_id = s.order_id
-			WHERE st.step_name = ? AND st.result = ? AND o.status = 'created')`,
-		stepChargeCard, chargeID).Scan(&charged)
-	if err != nil {
-		return orderRow{}, fmt.Errorf("look up saga of charge: %w", err)
-	}
-	if charged {
+		SELECT o.status FROM saga_steps st
+		JOIN saga_instances s ON s.saga_id = st.saga_id
+		JOIN orders o ON o.order_id = s.order_id
+		WHERE st.step_name = ? AND st.result = ?`,
+		stepChargeCard, chargeID).Scan(&sagaOrderStatus)
+	switch {
+	case err == nil && sagaOrderStatus == orderCreated:
 		return orderRow{}, errPaymentNotRecorded
+	case err == nil && sagaOrderStatus == orderCancelled:
+		return orderRow{}, errChargeOfCancelledOrder
+	case err != nil && !errors.Is(err, sql.ErrNoRows):
+		return orderRow{}, fmt.Errorf("look up saga of charge: %w", err)
 	}
 	// Earlier still: the processor charged, and the saga has not recorded
 	// the answer (or never got it: a lost response, asked for again under

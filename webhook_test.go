@@ -372,6 +372,45 @@ func TestHTTPWebhookHostile(t *testing.T) {
 		requireOrderSound(t, env, ts, keyUser42, orderID)
 	})
 
+	// Ensure a dashboard refund of a charge whose order the saga then
+	// cancelled (a later step failed; its compensation refunded what
+	// remained) is applied and changes nothing: the charge is one we know,
+	// and the order is owed nothing.
+	// It was poison ("unknown charge": a cancelled order records no
+	// charge), as was the processor's announcement of the compensation's
+	// own refund.
+	t.Run("RefundOfACancelledOrdersChargeChangesNothing", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		var event []byte
+		failConfirm(env, func(point faultPoint, pass int) error {
+			// After the charge, before the saga records it.
+			if point == faultAfterProcessorCall && pass == 1 {
+				chargeID := env.str(t, `SELECT charge_id FROM processor_charges`)
+				event = refundedEvent("evt_dashboard", chargeID, dashboardRefund(t, env, "dashboard-1", chargeID, 1500), "1500")
+			}
+			return nil
+		})
+		created := call(t, ts, "POST", "/api/orders", keyUser42, "order-key", orderBody(5000, "sku-1", 1, pmCardVisa))
+		orderID := orderField([]byte(created.Body), "order_id")
+		env.drain(t)
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "cancelled:0" {
+			t.Fatalf("order %s, want cancelled:0", got)
+		}
+		if _, reply := postSigned(t, env, ts, event); reply.Outcome != inboxApplied {
+			t.Fatalf("the dashboard's event got %+v, want applied", reply)
+		}
+		own := refundedEvent("evt_compensation", env.str(t, `SELECT charge_id FROM processor_charges`),
+			env.str(t, `SELECT refund_id FROM processor_refunds WHERE idempotency_key <> 'dashboard-1'`), "3500")
+		if _, reply := postSigned(t, env, ts, own); reply.Outcome != inboxApplied {
+			t.Fatalf("the compensation's own refund, announced, got %+v, want applied", reply)
+		}
+		if got := env.str(t, `SELECT status || ':' || refunded_cents FROM orders`); got != "cancelled:0" {
+			t.Fatalf("order %s after the events, want cancelled:0", got)
+		}
+		requireOrderSound(t, env, ts, keyUser42, orderID)
+	})
+
 	// Ensure a refund of a charge whose answer the saga has not recorded
 	// yet (the processor charged and the response was lost) is early, not
 	// unknown: the charge's metadata names the order, which still waits for
