@@ -237,7 +237,7 @@ func newApp(db *sql.DB, clock func() time.Time, ids func(prefix string) string, 
 // replace (see App.entry).
 type layerEntries struct {
 	createOrder func(ctx context.Context, req idempotentRequest, order orderRequest) (apiResponse, error)
-	receiveIn   func(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error)
+	receiveIn   func(ctx context.Context, tx *sql.Tx, undo *itemUndo, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error)
 	compensate  func(ctx context.Context, run *sagaRun) error
 }
 

@@ -296,7 +296,7 @@ var (
 	}
 	// plumbing are the functions that run a transaction for someone else:
 	// the place is their caller.
-	plumbing = []string{"runTxOnce", "runTx", "withTx", "withClaimTx", "withFencedTx", "keyTx", "inSavepoint",
+	plumbing = []string{"runTxOnce", "runTx", "withTx", "withClaimTx", "withFencedTx", "keyTx", "inSavepoint", "withItems", "(*itemUndo).",
 		"runInSavepoint", "runRecovered", "ownTxWriter", "groupWriter", "(*groupCommitter).", "(*batch).",
 		"newGroupRequest", "(*ledgerConn).", "(*ledgerTx).", "(*ledgerRows).", "placeOf"}
 	// closureSuffix is what Go appends to a function's name for the
@@ -851,5 +851,77 @@ func TestChargesSideBySideDoNotFailEachOther(t *testing.T) {
 	got := ledger.snapshot()[commitPlace{loop: "other", site: "(*Processor).charge"}]
 	if got.commits != callers*charges || got.rollbacks != 0 {
 		t.Fatalf("got %d charges committed, %d rolled back; want %d, 0", got.commits, got.rollbacks, callers*charges)
+	}
+}
+
+// Ensure a consumer's batch runs its messages without savepoints while
+// none fails, and that one failing message, once the batch runs again with
+// a savepoint around each, undoes only its own writes, is counted once,
+// and does not run a second time, while the others apply once.
+func TestBatchesTakeSavepointsOnlyWhenAnItemFails(t *testing.T) {
+	ctx := context.Background()
+	app, ledger := countedApp(t, testDatabase(t))
+	env := &testEnv{app: app}
+	if err := app.broker.subscribe(ctx, "batch", "Ping"); err != nil {
+		t.Fatal(err)
+	}
+	apply, applied := countingEffect(t, env, "batch")
+	calls := map[string]int{}
+	c := consumer{name: "batch", subjects: []string{"Ping"}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
+		calls[msg.ID]++
+		if err := apply(tx); err != nil {
+			return err
+		}
+		if msg.ID == "msg-5" {
+			return errors.New("stock service unavailable")
+		}
+		return nil
+	}}
+	savepoints := func(from map[commitPlace]placeCount) (n int64) {
+		for _, count := range from {
+			for statement, times := range count.statements {
+				if strings.HasPrefix(statement, "SAVEPOINT") {
+					n += times
+				}
+			}
+		}
+		return n
+	}
+	for _, ids := range [][]string{{"msg-1", "msg-2", "msg-3"}, {"msg-4", "msg-5", "msg-6"}} {
+		var batch []message
+		for _, id := range ids {
+			batch = append(batch, message{ID: id, Subject: "Ping", Payload: []byte(`{}`)})
+		}
+		if err := app.broker.publishBatch(ctx, batch); err != nil {
+			t.Fatal(err)
+		}
+		before := ledger.snapshot()
+		results, err := app.consumeOnce(ctx, c, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		taken := savepoints(since(ledger.snapshot(), before))
+		if ids[0] == "msg-1" {
+			if taken != 0 || len(results) != 3 {
+				t.Fatalf("a batch that did not fail: got %d results and %d savepoints committed; want 3 and none", len(results), taken)
+			}
+			continue
+		}
+		if taken != 2 {
+			t.Errorf("a batch with a failing message: got %d savepoints committed; want one per message that ran again, 2", taken)
+		}
+		got := fmt.Sprint(results[0].Outcome, results[1].Outcome, results[2].Outcome)
+		if want := fmt.Sprint(inboxApplied, inboxRetry, inboxApplied); got != want {
+			t.Errorf("got outcomes %s; want %s", got, want)
+		}
+	}
+	if got := applied(); got != 5 {
+		t.Errorf("the effect counted %d; want 5 (msg-5's write undone, no message applied twice)", got)
+	}
+	if calls["msg-5"] != 1 || calls["msg-4"] != 2 {
+		t.Errorf("msg-5 ran %d times, msg-4 %d; want once (its failure is decided once) and twice (the batch ran again)", calls["msg-5"], calls["msg-4"])
+	}
+	if got := env.count(t, `SELECT failures FROM inbox_failures WHERE consumer = 'batch' AND message_id = 'msg-5'`); got != 1 {
+		t.Errorf("counted %d failures of msg-5; want 1", got)
 	}
 }

@@ -116,14 +116,14 @@ func Example_demo() {
 	// ok: the charge exists at the processor, the saga is waiting to retry charge_card
 	// ok: saga completed, 1 charge at the processor: prevented a double charge
 	// == 7. PaymentCaptured goes out through the outbox; the order service marks the order paid ==
-	// order-svc: evt_84091b5a -> applied
+	// order-svc: evt_2637dab7 -> applied
 	// -> 200 OK
 	// == 8. A second order with a declined card is compensated ==
 	// -> 201 Created
-	// payment-svc: evt_c50fddd3 -> applied
+	// payment-svc: evt_66df44eb -> applied
 	// ok: reserve_stock compensated, charge_card failed, confirm never ran
 	// ok: sku-2 stock is back: 1000 available, 0 reserved
-	// order-svc: evt_12c73965 -> applied
+	// order-svc: evt_aad76d3d -> applied
 	// -> 200 OK
 	// == 9. The customer gets a refund of the first order; the client retries that too ==
 	// -> 200 OK

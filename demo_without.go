@@ -205,8 +205,9 @@ func (a *App) createOrderDualWrite(ctx context.Context, req idempotentRequest, o
 
 // receiveWithoutInbox is demo --without inbox: the message's effect runs on
 // every delivery. Nothing records that it ran, so nothing can skip it the
-// second time; a failure is retried for ever.
-func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+// second time; a failure is retried for ever. Every message runs in a
+// savepoint (the demo's batches are small), whatever undo says.
+func receiveWithoutInbox(ctx context.Context, tx *sql.Tx, _ *itemUndo, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	result := receiveResult{MessageID: messageID, Outcome: inboxApplied}
 	failed, err := inSavepoint(ctx, tx, "inbox_message", func() error { return apply(tx) })
 	if failed != nil {

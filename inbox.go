@@ -132,9 +132,9 @@ type receiveResult struct {
 // broker itself never gives up.
 func (a *App) receive(ctx context.Context, consumerName, messageID string, deliveryCount int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	var result receiveResult
-	err := withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withItems(ctx, a.db, withTx, func(tx *sql.Tx, undo *itemUndo) error {
 		var err error
-		result, err = a.entry.receiveIn(ctx, tx, consumerName, messageID, deliveryCount, noFailureLimit, apply)
+		result, err = a.entry.receiveIn(ctx, tx, undo, consumerName, messageID, deliveryCount, noFailureLimit, apply)
 		return err
 	})
 	if err == nil {
@@ -149,18 +149,19 @@ func (a *App) receive(ctx context.Context, consumerName, messageID string, deliv
 // duplicate and apply does not run. Two concurrent deliveries of one message
 // serialize on the write lock; the second sees the first's row.
 //
-// The message runs in its own SAVEPOINT, so a consumer can put a whole batch
-// in one transaction and a failing message undoes only its own writes; its
+// The message's writes are undone alone if it fails (undo: in its own
+// SAVEPOINT, see itemUndo), so a consumer can put a whole batch in one
+// transaction and a failing message undoes only its own writes; its
 // failure is then recorded in tx (recordFailure).
 //
 // Returns an error only when tx must roll back: the process, the context or
 // the database failed, not the message (isOurFailure), or the inbox could
 // not be written. Nothing is counted then, so an outage of any length uses
 // up no message's tries.
-func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
+func (a *App) receiveIn(ctx context.Context, tx *sql.Tx, undo *itemUndo, consumerName, messageID string, deliveryCount, maxFailures int, apply func(tx *sql.Tx) error) (receiveResult, error) {
 	result := receiveResult{MessageID: messageID}
 	now := a.now()
-	failed, err := inSavepoint(ctx, tx, "inbox_message", func() error {
+	failed, err := undo.run(ctx, tx, "inbox_message", messageID, func() error {
 		// Sample flaws 1 and 2: the row is keyed by (consumer, message_id),
 		// and inserted in the effect's transaction, not checked before it.
 		inserted, err := insertInboxRow(ctx, tx, consumerName, messageID, deliveryCount, now)
@@ -328,7 +329,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 	// receiveTraced, and once it committed (observeConsumed).
 	batch := a.observeFetch(ctx, c, deliveries, fetched)
 	var results []receiveResult
-	err = withTx(ctx, a.db, func(tx *sql.Tx) error {
+	err = withItems(ctx, a.db, withTx, func(tx *sql.Tx, undo *itemUndo) error {
 		results = make([]receiveResult, len(deliveries))
 		for i, d := range deliveries {
 			if d.Malformed != nil {
@@ -341,7 +342,7 @@ func (a *App) consumeOnce(ctx context.Context, c consumer, max int) ([]receiveRe
 				}
 				continue
 			}
-			result, err := a.receiveTraced(batch, i, tx, c, d)
+			result, err := a.receiveTraced(batch, i, tx, undo, c, d)
 			if err != nil {
 				return err
 			}

@@ -386,29 +386,31 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 	}
 	var steps, admittedSteps []sagaStepOutcome
 	var admitted []*sagaRun
-	err := withFencedTx(ctx, a.db, func(tx *sql.Tx) error {
+	err := withItems(ctx, a.db, withFencedTx, func(tx *sql.Tx, undo *itemUndo) error {
 		var err error
-		steps, err = a.stepAll(ctx, tx, runs)
+		steps, err = a.stepAll(ctx, tx, undo, runs)
 		if err != nil {
 			return err
 		}
 		// The next round's sagas: those that go on, and those that became
-		// due meanwhile.
+		// due meanwhile. Those whose step this transaction recorded done
+		// are not read again: the worker knows what it wrote
+		// (readAfterStepDone).
 		next := slices.Clone(again)
 		for i, run := range runs {
-			if steps[i].next == sagaAgain || steps[i].next == sagaStepDone {
+			if steps[i].next == sagaAgain {
 				next = append(next, run)
 			}
 		}
 		admitted, admittedSteps = nil, nil
 		if len(next) < max {
-			admitted, admittedSteps, err = a.admitSagas(ctx, tx, workerID, max-len(next))
+			admitted, admittedSteps, err = a.admitSagas(ctx, tx, undo, workerID, max-len(next))
 			if err != nil {
 				return err
 			}
 		}
 		for i, run := range admitted {
-			if admittedSteps[i].next == sagaAgain || admittedSteps[i].next == sagaStepDone {
+			if admittedSteps[i].next == sagaAgain {
 				next = append(next, run)
 			}
 		}
@@ -436,7 +438,10 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 			*failures = append(*failures, fmt.Errorf("saga %s: %w", run.lease.SagaID, step.aside))
 		}
 		switch step.next {
-		case sagaAgain, sagaStepDone:
+		case sagaStepDone:
+			run.read = run.readAfterStepDone()
+			again = append(again, run)
+		case sagaAgain:
 			again = append(again, run)
 		case sagaLeft:
 		case sagaWroteEvent:
@@ -453,6 +458,25 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 	return again, len(admitted), nil
 }
 
+// readAfterStepDone is what the next round would read of run's saga once
+// the round's commit recorded its forward step done (markStepDone): the
+// step's row, with the charge's id for charge_card, and the saga in
+// progress at the next step. No other worker wrote for the saga since: the
+// write was its compare-and-set on the lease token. So reading the saga
+// again, a statement per saga and round, would read only what this worker
+// wrote. (TestSagaRoundKnowsWhatItWrote compares the two.)
+func (run *sagaRun) readAfterStepDone() *sagaRead {
+	done := run.step
+	done.Status, done.Attempts, done.Result, done.Error = stepDone, 1, sql.NullString{}, sql.NullString{}
+	if done.Name == stepChargeCard {
+		done.Result = sql.NullString{String: run.chargeID, Valid: true}
+	}
+	saga := run.saga
+	saga.Status, saga.CurrentStep = afterStepDone(run.step)
+	saga.Attempts, saga.LastError = 0, sql.NullString{}
+	return &sagaRead{saga: saga, steps: append(slices.Clone(run.steps), done)}
+}
+
 // sagaStepOutcome is what a round's transaction did for one saga: what
 // becomes of it, why it was set aside (if it was), and whether the worker
 // wrote for it (its token moved on, once the transaction commits).
@@ -467,10 +491,10 @@ type sagaStepOutcome struct {
 
 // stepAll runs, in tx, what each of runs does this round (stepIn), and
 // returns what became of each. An error returned means tx must roll back.
-func (a *App) stepAll(ctx context.Context, tx *sql.Tx, runs []*sagaRun) ([]sagaStepOutcome, error) {
+func (a *App) stepAll(ctx context.Context, tx *sql.Tx, undo *itemUndo, runs []*sagaRun) ([]sagaStepOutcome, error) {
 	outcomes := make([]sagaStepOutcome, len(runs))
 	for i, run := range runs {
-		outcome, err := a.stepIn(ctx, tx, run)
+		outcome, err := a.stepIn(ctx, tx, undo, run)
 		if err != nil {
 			return nil, err
 		}
@@ -483,7 +507,7 @@ func (a *App) stepAll(ctx context.Context, tx *sql.Tx, runs []*sagaRun) ([]sagaS
 // lease was found lost before its call; setting it aside if it cannot go
 // on (a bug, a broken row: it does not hold up the others); its step
 // otherwise (sagaStepIn). Returns an error only when tx must roll back.
-func (a *App) stepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOutcome, error) {
+func (a *App) stepIn(ctx context.Context, tx *sql.Tx, undo *itemUndo, run *sagaRun) (sagaStepOutcome, error) {
 	switch {
 	case run.called && errors.Is(run.callErr, errSagaLeaseLost):
 		return sagaStepOutcome{next: sagaLeft}, nil
@@ -495,7 +519,7 @@ func (a *App) stepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOut
 		return sagaStepOutcome{next: sagaLeft, aside: run.unexpected}, nil
 	default:
 		// The events the step writes are created in its span.
-		return a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, run)
+		return a.sagaStepIn(trace.ContextWithSpan(ctx, run.span), tx, undo, run)
 	}
 }
 
@@ -506,7 +530,7 @@ func (a *App) stepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOut
 // cannot run in a transaction: its claim is written alone (leaseSagas),
 // and it runs in the next round. Returns the sagas claimed and what
 // became of each.
-func (a *App) admitSagas(ctx context.Context, tx *sql.Tx, workerID string, max int) ([]*sagaRun, []sagaStepOutcome, error) {
+func (a *App) admitSagas(ctx context.Context, tx *sql.Tx, undo *itemUndo, workerID string, max int) ([]*sagaRun, []sagaStepOutcome, error) {
 	runs, err := a.claimSagas(ctx, tx, workerID, max)
 	if err != nil || len(runs) == 0 {
 		return nil, nil, err
@@ -523,7 +547,7 @@ func (a *App) admitSagas(ctx context.Context, tx *sql.Tx, workerID string, max i
 			continue
 		}
 		a.startSagaSpan(ctx, run)
-		if outcomes[i], err = a.stepIn(ctx, tx, run); err != nil {
+		if outcomes[i], err = a.stepIn(ctx, tx, undo, run); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -763,17 +787,18 @@ func (a *App) sagaCall(ctx context.Context, run *sagaRun) error {
 	return a.fault.at(ctx, faultAfterProcessorCall)
 }
 
-// sagaStepIn runs run's step in its own SAVEPOINT of tx and says what
-// becomes of the saga. A step that fails rolls back to the savepoint, so
-// the other sagas' steps in tx stand; its failure is then recorded in tx,
+// sagaStepIn runs run's step in tx, undone alone if it fails (undo: in its
+// own SAVEPOINT, see itemUndo), and says what becomes of the saga. A step
+// that fails rolls back to the savepoint, so the other sagas' steps in tx
+// stand; its failure is then recorded in tx,
 // as afterFailure decides: a business failure turns the saga to
 // compensation (failStep, in a savepoint of its own: it writes twice), a
 // transient one schedules the next attempt (scheduleRetry).
 //
 // Returns an error only when tx must roll back (isOurFailure).
-func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, run *sagaRun) (sagaStepOutcome, error) {
+func (a *App) sagaStepIn(ctx context.Context, tx *sql.Tx, undo *itemUndo, run *sagaRun) (sagaStepOutcome, error) {
 	var next sagaNext
-	failed, err := inSavepoint(ctx, tx, "saga_step", func() error {
+	failed, err := undo.run(ctx, tx, "saga_step", run.lease.SagaID, func() error {
 		var err error
 		next, err = a.sagaStep(ctx, tx, run)
 		return err

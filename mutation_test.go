@@ -96,7 +96,7 @@ func mutations() []mutation {
 			catcher: "TestHTTPWebhookHostile/RefundBeforeThePaymentIsRecordedIsRetried",
 			fault:   "retrysafe: a refund of a charge the saga has not recorded yet is lost as poison",
 			edits: []mutationEdit{
-				{"webhook.go", "\tif charged {\n\t\treturn orderRow{}, errPaymentNotRecorded", "\tif charged && false {\n\t\treturn orderRow{}, errPaymentNotRecorded"},
+				{"webhook.go", "\tcase err == nil && sagaOrderStatus == orderCreated:", "\tcase err == nil && sagaOrderStatus == orderCreated && false:"},
 				{"webhook.go", "\t\tcase err == nil && status == orderCreated:", "\t\tcase err == nil && status == orderCreated && false:"},
 			},
 		},
@@ -598,7 +598,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/CompensationThatKeepsFailingIsSurfaced",
 			fault:   "review: the compensating refund's timeout is taken for a refund made, and the charge is recorded undone though the processor never saw the request",
 			edits: []mutationEdit{
-				{"saga.go", "step.Result.String, run.order.AmountCents); err != nil {", "step.Result.String, run.order.AmountCents); err != nil && !errors.Is(err, errProcessorTimeout) {"},
+				{"saga.go", "\t\tif err != nil {\n\t\t\treturn err\n\t\t}\n\t\tif err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {", "\t\tif err != nil && !errors.Is(err, errProcessorTimeout) {\n\t\t\treturn err\n\t\t}\n\t\tif err := a.fault.at(ctx, faultAfterProcessorCall); err != nil {"},
 			},
 		},
 	}

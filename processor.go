@@ -70,36 +70,13 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 	}
 	var chargeID, status string
 	var firstCall, keyHit bool
-	// Locked by its key, as a create is (keyTx): a saga round makes its
-	// charges side by side, and under SERIALIZABLE two charges of
-	// different keys failed each other (each looked up a missing key and
-	// inserted one beside it), to be run again.
-	err := keyTx(ctx, p.db, "processor", req.IdempotencyKey, func(tx *sql.Tx) error {
-		keyHit = false
-		var orderID, currency, paymentMethod string
-		var amount int64
-		err := tx.QueryRowContext(ctx, `
-			SELECT charge_id, order_id, amount_cents, currency, payment_method, status
-			FROM processor_charges WHERE idempotency_key = ?`, req.IdempotencyKey,
-		).Scan(&chargeID, &orderID, &amount, &currency, &paymentMethod, &status)
-		switch {
-		case err == nil:
-			if orderID != req.OrderID || amount != req.AmountCents || currency != req.Currency || paymentMethod != req.PaymentMethod {
-				return errProcessorKeyReused
-			}
-			_, err := tx.ExecContext(ctx, `UPDATE processor_charges SET key_hits = key_hits + 1 WHERE charge_id = ?`, chargeID)
-			if err != nil {
-				return fmt.Errorf("processor: count key hit: %w", err)
-			}
-			keyHit = true
-			return nil
-		case errors.Is(err, sql.ErrNoRows):
-			// First time this key is seen: do the work.
-		default:
-			return fmt.Errorf("processor: read charge: %w", err)
-		}
-
-		firstCall = true
+	// The key's UNIQUE index decides, in one statement: the charge is
+	// inserted under its key unless the key has one already. (A look-up
+	// first, then the insert, was three statements, and under SERIALIZABLE
+	// two charges of different keys failed each other: each had looked up
+	// a missing key and inserted one beside it.)
+	err := withTx(ctx, p.db, func(tx *sql.Tx) error {
+		keyHit, firstCall = false, false
 		chargeID = p.newID("ch")
 		status = "succeeded"
 		if req.PaymentMethod == pmCardDeclined {
@@ -107,13 +84,35 @@ func (p *Processor) charge(ctx context.Context, req chargeRequest) (string, erro
 			// is declined again instead of trying the card a second time.
 			status = "declined"
 		}
-		_, err = tx.ExecContext(ctx, `
+		inserted, err := tx.ExecContext(ctx, `
 			INSERT INTO processor_charges (charge_id, idempotency_key, order_id, amount_cents, currency, payment_method, status, created_at)
-			VALUES (?, ?, ?, ?, ?, ?, ?, ?)`,
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+			ON CONFLICT (idempotency_key) DO NOTHING`,
 			chargeID, req.IdempotencyKey, req.OrderID, req.AmountCents, req.Currency, req.PaymentMethod, status, formatTime(p.now()))
 		if err != nil {
 			return fmt.Errorf("processor: insert charge: %w", err)
 		}
+		if n, err := inserted.RowsAffected(); err != nil || n == 1 {
+			// First time this key is seen: the work is done.
+			firstCall = err == nil
+			return err
+		}
+		var orderID, currency, paymentMethod string
+		var amount int64
+		err = tx.QueryRowContext(ctx, `
+			SELECT charge_id, order_id, amount_cents, currency, payment_method, status
+			FROM processor_charges WHERE idempotency_key = ?`, req.IdempotencyKey,
+		).Scan(&chargeID, &orderID, &amount, &currency, &paymentMethod, &status)
+		if err != nil {
+			return fmt.Errorf("processor: read charge: %w", err)
+		}
+		if orderID != req.OrderID || amount != req.AmountCents || currency != req.Currency || paymentMethod != req.PaymentMethod {
+			return errProcessorKeyReused
+		}
+		if _, err := tx.ExecContext(ctx, `UPDATE processor_charges SET key_hits = key_hits + 1 WHERE charge_id = ?`, chargeID); err != nil {
+			return fmt.Errorf("processor: count key hit: %w", err)
+		}
+		keyHit = true
 		return nil
 	})
 	p.metrics.processorCalled(processorCharge, err == nil && keyHit)

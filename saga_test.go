@@ -691,3 +691,51 @@ func TestSagaDecisions(t *testing.T) {
 		}
 	})
 }
+
+// Ensure what a saga round keeps of each saga whose step it recorded done
+// (readAfterStepDone: the round does not read the saga again) is what the
+// database holds: the step's row, the charge's id, the saga's next step.
+func TestSagaRoundKnowsWhatItWrote(t *testing.T) {
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	for i := range 2 {
+		mustCreateOrder(t, env, "user-42", fmt.Sprintf("k%d", i), orderBody(100, "sku-1", 1, pmCardVisa))
+	}
+	for range 2 {
+		if _, err := env.app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.consumeOnce(ctx, env.app.consumers()[0], 10); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var runs []*sagaRun
+	var failures []error
+	// Round 1 reserves, round 2 records the charges; round 3 confirms, and
+	// the sagas end.
+	for round := 1; round <= 2; round++ {
+		var err error
+		if runs, _, err = env.app.sagaRound(ctx, "worker-1", 10, runs, &failures); err != nil || len(failures) > 0 {
+			t.Fatal(err, failures)
+		}
+		if len(runs) != 2 {
+			t.Fatalf("round %d: %d sagas go on; want 2", round, len(runs))
+		}
+		for _, run := range runs {
+			fresh := &sagaRun{lease: run.lease, order: run.order}
+			if err := env.app.readSagaRuns(ctx, env.app.db, []*sagaRun{fresh}); err != nil {
+				t.Fatal(err)
+			}
+			kept, read := fmt.Sprintf("%+v %+v", run.read.saga, run.read.steps), fmt.Sprintf("%+v %+v", fresh.read.saga, fresh.read.steps)
+			if kept != read {
+				t.Errorf("round %d: the round kept\n%s\nthe database holds\n%s", round, kept, read)
+			}
+		}
+	}
+	if runs, _, err := env.app.sagaRound(ctx, "worker-1", 10, runs, &failures); err != nil || len(runs) != 0 {
+		t.Fatalf("round 3: %d sagas go on, %v; want none", len(runs), err)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM orders o JOIN saga_instances s ON s.order_id = o.order_id WHERE s.status = 'completed'`); got != 2 {
+		t.Fatalf("%d sagas completed; want 2", got)
+	}
+}

@@ -312,10 +312,10 @@ func (a *App) observeFetch(ctx context.Context, c consumer, deliveries []deliver
 // receiveTraced puts d, the i-th delivery of batch, through the inbox in tx
 // (a.entry.receiveIn: receiveIn unless demo --without replaced it), in a
 // "process" span of its own.
-func (a *App) receiveTraced(batch *consumedBatch, i int, tx *sql.Tx, c consumer, d delivery) (receiveResult, error) {
+func (a *App) receiveTraced(batch *consumedBatch, i int, tx *sql.Tx, undo *itemUndo, c consumer, d delivery) (receiveResult, error) {
 	processCtx, span := a.startProcessSpan(batch.receiveCtx, c, d)
 	batch.processed[i] = span.SpanContext()
-	result, err := a.entry.receiveIn(processCtx, tx, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
+	result, err := a.entry.receiveIn(processCtx, tx, undo, c.name, d.ID, d.DeliveryCount, maxDeliveries, func(tx *sql.Tx) error {
 		if err := a.fault.at(processCtx, faultConsumerApply); err != nil {
 			return err
 		}
