@@ -453,7 +453,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 	if wroteEvent {
 		// PaymentCaptured is committed: the relay need not wait for its
 		// next poll to tell the order service.
-		a.wake.relay.signal()
+		a.wake.outboxWritten()
 	}
 	return again, len(admitted), nil
 }
@@ -615,7 +615,7 @@ func (a *App) runCompensation(ctx context.Context, run *sagaRun) (sagaNext, erro
 	if err == nil {
 		// OrderCancelled is committed: the relay need not wait for its
 		// next poll to tell the order service.
-		a.wake.relay.signal()
+		a.wake.outboxWritten()
 		return sagaWroteEvent, nil
 	}
 	if isOurFailure(ctx, a.db, err) {

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,6 +44,9 @@ import (
 // full batch), so one pass after the last signal is all that signal needs.
 type wakeup struct {
 	ready chan struct{}
+	// sent counts the signals ever sent: a loop compares it before and
+	// after a pass (dropIfSeen).
+	sent atomic.Uint64
 }
 
 // newWakeup returns a wakeup with no signal pending.
@@ -53,11 +57,43 @@ func newWakeup() *wakeup {
 // signal wakes the loop, or leaves a signal for its next wait if it is
 // busy. It never blocks.
 func (w *wakeup) signal() {
+	w.sent.Add(1)
 	select {
 	case w.ready <- struct{}{}:
 	default:
 		// A signal is pending already; the loop will look after this
 		// commit anyway.
+	}
+}
+
+// count returns how many signals were sent so far (0 for a loop without a
+// wakeup).
+func (w *wakeup) count() uint64 {
+	if w == nil {
+		return 0
+	}
+	return w.sent.Load()
+}
+
+// dropIfSeen drops the pending signal if none was sent since count was
+// seen, before a pass that has now ended: that signal was sent before the
+// pass began, for work committed before it, which the pass's look found.
+// Waking for it again was a look that found nothing (on PostgreSQL, a
+// transaction) after most passes. A signal sent since stays, or is put
+// back: the pass may have looked before that work was committed.
+func (w *wakeup) dropIfSeen(seen uint64) {
+	if w == nil {
+		return
+	}
+	select {
+	case <-w.ready:
+	default:
+	}
+	if w.sent.Load() != seen {
+		select {
+		case w.ready <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -78,16 +114,32 @@ type wakeups struct {
 	saga *wakeup
 	// consumers: a message was published, one wakeup per consumer name.
 	consumers map[string]*wakeup
+	// outboxNotified: listenForWork listens, so PostgreSQL tells the
+	// relay of every outbox event committed (outboxWritten).
+	outboxNotified *atomic.Bool
 }
 
 // newWakeups returns the wakeups of the relay, the saga loop and one per
 // consumer in consumerNames.
 func newWakeups(consumerNames ...string) wakeups {
-	w := wakeups{relay: newWakeup(), saga: newWakeup(), consumers: map[string]*wakeup{}}
+	w := wakeups{relay: newWakeup(), saga: newWakeup(), consumers: map[string]*wakeup{}, outboxNotified: &atomic.Bool{}}
 	for _, name := range consumerNames {
 		w.consumers[name] = newWakeup()
 	}
 	return w
+}
+
+// outboxWritten wakes the relay after a commit that wrote to the outbox,
+// unless PostgreSQL does: while listenForWork listens, the commit's
+// notification (the trigger outbox_events_notify) reaches the relay of
+// every process, this one's too, and a signal sent here as well woke the
+// relay a second time for the same event, for a claim that found nothing
+// (0.4 of an order's statements at 8 clients).
+func (w wakeups) outboxWritten() {
+	if w.outboxNotified.Load() {
+		return
+	}
+	w.relay.signal()
 }
 
 // published wakes every consumer: messages were published, for one or
@@ -169,6 +221,10 @@ func listenOnce(ctx context.Context, app *App, dbURL string, listening func()) e
 		}
 	}
 	listening()
+	// From now on each outbox event committed is notified, by this
+	// process's commits too; until this connection fails.
+	app.wake.outboxNotified.Store(true)
+	defer app.wake.outboxNotified.Store(false)
 	// Work committed while nobody listened (before this connection, or
 	// while it was down) was announced to no one: look once.
 	app.wake.relay.signal()

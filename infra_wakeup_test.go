@@ -156,6 +156,32 @@ func TestWakeup(t *testing.T) {
 		createPaidOrder(t, client, apiServer.URL, watcher, "notify-2")
 	})
 
+	// Ensure on PostgreSQL that a commit that writes to the outbox wakes
+	// the relay once: by its notification, which reaches this process's
+	// listener too, not by a signal of its own as well (a second pass of
+	// the relay, whose claim found nothing).
+	t.Run("PostgresCommitWakesTheRelayOnce", func(t *testing.T) {
+		if !onPostgres() {
+			t.Skip("set " + testPostgresEnv + " to run the PostgreSQL tests")
+		}
+		target := testDatabase(t)
+		app := openIdleApp(t, target)
+		ts := serveInProcess(t, app, target, true)
+		for deadline := time.Now().Add(wakeDeadline); !app.wake.outboxNotified.Load(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the listener never listened")
+			}
+		}
+		before := app.wake.relay.count()
+		createPaidOrder(t, benchClient(1), ts.URL, watchFinal(t, target), "once-1")
+		// A notification comes a moment after its commit.
+		time.Sleep(100 * time.Millisecond)
+		// OrderCreated and PaymentCaptured.
+		if got := app.wake.relay.count() - before; got != 2 {
+			t.Fatalf("the relay was signalled %d times for an order's 2 events; want 2", got)
+		}
+	})
+
 	// Ensure on PostgreSQL that a listener whose connection was cut
 	// connects again: the next order is still paid by the other process,
 	// idle for an hour.
@@ -290,5 +316,59 @@ func TestLoopAfterAShortBatch(t *testing.T) {
 				t.Fatal("the second pass ran before the signal; want the loop to wait for it")
 			}
 		})
+	}
+}
+
+// Ensure a loop drops a signal sent before a pass began (the pass's look
+// found the work it announced) and keeps one sent during the pass (its
+// look may have come before that work was committed).
+func TestLoopDropsASignalItsPassSaw(t *testing.T) {
+	ctx, stop := context.WithCancel(context.Background())
+	var loops sync.WaitGroup
+	t.Cleanup(func() {
+		stop()
+		loops.Wait()
+	})
+	wake := newWakeup()
+	// The first pass is held until the test lets it end: a signal sent
+	// before it began, and one sent during the second.
+	wake.signal()
+	release := make(chan struct{})
+	passes := make(chan int, 4)
+	pass := 0
+	startLoop(ctx, &loops, discardLogger(), "test", time.Hour, wake, 0, func(ctx context.Context) (int, error) {
+		pass++
+		passes <- pass
+		if pass == 2 {
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return 0, nil
+	})
+	if got := <-passes; got != 1 {
+		t.Fatalf("pass %d first", got)
+	}
+	// Pass 1 began after the first signal: it saw that work, and the loop
+	// waits. A second pass now would be the dropped signal's.
+	select {
+	case got := <-passes:
+		t.Fatalf("pass %d ran for a signal the first pass saw", got)
+	case <-time.After(100 * time.Millisecond):
+	}
+	wake.signal()
+	if got := <-passes; got != 2 {
+		t.Fatalf("pass %d after a new signal; want 2", got)
+	}
+	wake.signal() // during pass 2
+	close(release)
+	select {
+	case got := <-passes:
+		if got != 3 {
+			t.Fatalf("pass %d; want 3", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the signal sent during pass 2 was dropped")
 	}
 }

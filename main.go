@@ -709,6 +709,7 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 		defer wg.Done()
 		failures := 0
 		for ctx.Err() == nil {
+			seen := wake.count()
 			n, err := once(ctx)
 			wait := time.Duration(0)
 			woken := wake.signaled()
@@ -723,6 +724,7 @@ func startLoop(ctx context.Context, wg *sync.WaitGroup, logger *slog.Logger, nam
 			case n == 0, n < batch:
 				failures = 0
 				wait = idle
+				wake.dropIfSeen(seen)
 			default:
 				failures = 0
 			}

@@ -489,7 +489,7 @@ func (a *App) refundPhaseRequested(ctx context.Context, req idempotentRequest, l
 		return apiResponse{}, err
 	}
 	// OrderRefunded is committed: wake the relay.
-	a.wake.relay.signal()
+	a.wake.outboxWritten()
 	return succeeded, nil
 }
 

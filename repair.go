@@ -160,7 +160,7 @@ func (a *App) retryOutboxEvents(ctx context.Context, operator string, target out
 	if err != nil {
 		return nil, err
 	}
-	a.wake.relay.signal()
+	a.wake.outboxWritten()
 	return results, nil
 }
 

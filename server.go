@@ -427,7 +427,7 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 	if !response.Replayed {
 		// A new order's OrderCreated is committed: the relay need not
 		// wait for its next poll. (A replay wrote nothing.)
-		s.app.wake.relay.signal()
+		s.app.wake.outboxWritten()
 	}
 	writeAPIResponse(w, response)
 }
