@@ -925,3 +925,46 @@ func TestBatchesTakeSavepointsOnlyWhenAnItemFails(t *testing.T) {
 		t.Errorf("counted %d failures of msg-5; want 1", got)
 	}
 }
+
+// Ensure a saga pass claims in its first round, and in a later one only
+// if a saga was started since: a lone saga's three rounds make one claim,
+// not three.
+func TestSagaPassClaimsWhenASagaStarted(t *testing.T) {
+	ctx := context.Background()
+	app, ledger := countedApp(t, testDatabase(t))
+	if err := app.subscribeConsumers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := app.createOrder(ctx, benchRequest("claims-", 1), benchOrder); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := app.relayOnce(ctx, "relay", relayBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range app.consumers() {
+		if _, err := app.consumeOnce(ctx, c, 10); err != nil {
+			t.Fatal(err)
+		}
+	}
+	claims := func() (n int64) {
+		for _, count := range ledger.snapshot() {
+			for statement, times := range count.statements {
+				if strings.HasPrefix(statement, "SELECT saga_id, lease_token FROM saga_instances") {
+					n += times
+				}
+			}
+		}
+		return n
+	}
+	before := claims()
+	if _, err := app.sagaOnce(ctx, "worker", sagaBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	if got := claims() - before; got != 1 {
+		t.Errorf("a pass of one saga claimed %d times; want once", got)
+	}
+	var status string
+	if err := app.db.QueryRow(`SELECT status FROM saga_instances`).Scan(&status); err != nil || status != string(sagaCompleted) {
+		t.Fatalf("saga %s, %v; want completed in one pass", status, err)
+	}
+}

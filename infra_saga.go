@@ -54,14 +54,25 @@ func sagaBackoff(attempts int) time.Duration {
 // started while others are under way joins them at once instead of
 // waiting for them to finish; and reads every saga of the next round. The
 // pass ends when no claimed saga goes on.
+//
+// The first round of a pass always claims; a later one only if a saga was
+// started since the last claim (a.wake.saga was signalled): a claim after
+// every round found nothing in most, a statement each. Sagas that become
+// due without a signal (a retry's backoff over, another process's, a dead
+// worker's) wait for the next pass, as they would when no pass runs.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var runs []*sagaRun
 	var failures []error
 	claimed := 0
+	var seen uint64
 	for first := true; first || len(runs) > 0; first = false {
 		var admitted int
 		var err error
-		runs, admitted, err = a.sagaRound(ctx, workerID, max, runs, &failures)
+		claim := first || a.wake.saga.count() != seen
+		if claim {
+			seen = a.wake.saga.count()
+		}
+		runs, admitted, err = a.sagaRound(ctx, workerID, max, runs, claim, &failures)
 		if err != nil {
 			return 0, errors.Join(append(failures, err)...)
 		}
@@ -334,17 +345,17 @@ func (n sagaNext) String() string {
 // worker acting on what it read before a pause can neither record a step
 // over another worker's nor pull a saga back.
 //
-// The round's transaction also claims, for workerID, the sagas that became
-// due, up to max with those that go on, and runs the first step of each
-// (admitSagas); then it reads every saga of the next round (readSagaRuns).
-// It returns how many it claimed.
+// If claim is set, the round's transaction also claims, for workerID, the
+// sagas that became due, up to max with those that go on, and runs the
+// first step of each (admitSagas); then it reads every saga of the next
+// round (readSagaRuns). It returns how many it claimed.
 //
 // A saga that fails unexpectedly (a bug, a broken row) is set aside for a
 // minute and reported in failures; it does not hold up the others. Returns
 // an error only when the worker must stop: errCrash, or the database
 // failing (nothing of the round's transaction is committed then; the sagas
 // come back when their leases pass).
-func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, failures *[]error) ([]*sagaRun, int, error) {
+func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, claim bool, failures *[]error) ([]*sagaRun, int, error) {
 	var unread []*sagaRun
 	for _, run := range runs {
 		if run.read == nil {
@@ -403,7 +414,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 			}
 		}
 		admitted, admittedSteps = nil, nil
-		if len(next) < max {
+		if claim && len(next) < max {
 			admitted, admittedSteps, err = a.admitSagas(ctx, tx, undo, workerID, max-len(next))
 			if err != nil {
 				return err
