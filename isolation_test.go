@@ -700,6 +700,10 @@ func isoSessions(f isoFixture) []isoSession {
 			_, err := p.app.relayOnce(ctx, p.name, relayBatchSize)
 			return err
 		}},
+		{name: "relay lease taken over", lateFor: []string{"relay", "relay refused by the broker"}, pausedToo: true, run: func(ctx context.Context, p *isoProcess) error {
+			p.clock.advance(relayLease + time.Second)
+			return isoTakeRelayLease(ctx, p)
+		}},
 		{name: "reconciler past the lease", lateFor: []string{"reconciler"}, run: func(ctx context.Context, p *isoProcess) error {
 			p.clock.advance(relayLease + time.Second)
 			_, err := p.app.reconcileOnce(ctx, p.name, relayBatchSize)
@@ -730,6 +734,78 @@ func isoSessions(f isoFixture) []isoSession {
 			return isoAnswer("refund", p.post(refundPath(f.paidOrder), "iso-refund", `{"amount_cents":1000}`), 200, 409, 503)
 		}},
 	}
+}
+
+// isoTakeRelayLease takes the relay lease over for p, if it has passed,
+// with its write and its commit as two steps, and between them reads the
+// events twice: no relay may write one under the lease it replaces once
+// its row is written. It returns an error if one did.
+//
+// holdRelayLease takes a lease in one statement, but PostgreSQL writes the
+// row before it commits (and holds it while the commit is flushed to
+// disk): a relay's mark under the old token that begins meanwhile, and
+// does not wait for the row, finds its token and writes after the new
+// holder has claimed the same events. At statement boundaries the window
+// cannot be seen, so the takeover here has one of its own.
+func isoTakeRelayLease(ctx context.Context, p *isoProcess) error {
+	// READ COMMITTED, as holdRelayLease's statement runs: each read sees
+	// what committed before it.
+	tx, err := p.app.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback() // a no-op once committed
+	now := p.app.now()
+	var token int64
+	err = tx.QueryRowContext(ctx, `
+		UPDATE relay_leases SET lease_token = lease_token + 1, holder = ?, leased_until = ?
+		WHERE name = ? AND leased_until <= ?
+		RETURNING lease_token`,
+		p.name, formatTime(now.Add(p.app.leases.relay)), relayLeaseName, formatTime(now)).Scan(&token)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil // a relay holds it: nothing to take over
+	}
+	if err != nil {
+		return fmt.Errorf("take the relay lease over: %w", err)
+	}
+	before, err := isoEventRecords(ctx, tx)
+	if err != nil {
+		return err
+	}
+	after, err := isoEventRecords(ctx, tx)
+	if err != nil {
+		return err
+	}
+	var changed []string
+	for i := range min(len(before), len(after)) {
+		if before[i] != after[i] {
+			changed = append(changed, before[i]+" became "+after[i])
+		}
+	}
+	if len(changed) > 0 || len(before) != len(after) {
+		return fmt.Errorf("a relay under token %d wrote events after the lease's takeover by token %d was written, before it committed: %s",
+			token-1, token, strings.Join(changed, ", "))
+	}
+	return tx.Commit()
+}
+
+// isoEventRecords returns what a relay writes of each event, in the order
+// they were written: its id, status and attempts.
+func isoEventRecords(ctx context.Context, tx *sql.Tx) ([]string, error) {
+	rows, err := tx.QueryContext(ctx, `SELECT event_id || ' ' || status || ' ' || attempts FROM outbox_events ORDER BY seq`)
+	if err != nil {
+		return nil, fmt.Errorf("read the events: %w", err)
+	}
+	defer rows.Close()
+	var records []string
+	for rows.Next() {
+		var record string
+		if err := rows.Scan(&record); err != nil {
+			return nil, err
+		}
+		records = append(records, record)
+	}
+	return records, rows.Err()
 }
 
 // consumer returns the process's consumer called name.
