@@ -2234,7 +2234,9 @@ refund with another amount or signed beyond the tolerance, and a message
 that fails at every delivery until it is poison. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
-hold and every event marked published must be in the broker; at the end the
+hold and every event marked published must be in the broker, and each event
+must reach the broker first after the events of its order written before it;
+at the end the
 system is made quiet and the full check, each order's fate and every answer
 the clients got are checked.
 
