@@ -421,6 +421,10 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 			b.s.violate(err)
 		}
 	}
+	// Now and then it refuses an order's refund event, and stores the
+	// rest of the batch, while the order is refunded again
+	// (simulate_outboxorder.go).
+	msgs, refused := b.s.refuseHeldEvent(msgs)
 	if err := b.messageBroker.publishBatch(ctx, msgs); err != nil {
 		return err
 	}
@@ -434,6 +438,9 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 			}
 		}
 		b.accepted[msg.ID] = true
+	}
+	if refused != nil {
+		return refused
 	}
 	if !b.s.quiescing && len(msgs) > 0 && b.s.chance(0.1) {
 		b.s.report.Counts.DuplicatePublishes++
