@@ -133,25 +133,34 @@ func TestOutbox(t *testing.T) {
 	})
 
 	// Ensure events of one order go out in the order they were written, even
-	// when the first one has to be retried.
+	// when the first one has to be retried: the events written while it
+	// waits out its backoff, due at once, wait behind it.
 	t.Run("EventsOfOneOrderStayInOrder", func(t *testing.T) {
 		env := MustOpenApp(t)
-		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
-			for i := range 3 {
-				event, err := env.app.newOutboxEvent(fmt.Sprintf("Step%d", i), "ord_1", map[string]int{"i": i})
-				if err != nil {
-					return err
+		writeSteps := func(steps ...int) {
+			t.Helper()
+			err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+				for _, i := range steps {
+					event, err := env.app.newOutboxEvent(fmt.Sprintf("Step%d", i), "ord_1", map[string]int{"i": i})
+					if err != nil {
+						return err
+					}
+					if err := insertOutboxEvent(ctx, tx, event, env.clock.now()); err != nil {
+						return err
+					}
 				}
-				if err := insertOutboxEvent(ctx, tx, event, env.clock.now()); err != nil {
-					return err
-				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
 			}
-			return nil
-		})
-		if err != nil {
+		}
+		writeSteps(0)
+		env.fault.failAt(faultPublish, errors.New("broker unreachable"), 1)
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
 			t.Fatal(err)
 		}
-		env.fault.failAt(faultPublish, errors.New("broker unreachable"), 1)
+		writeSteps(1, 2)
 		for range 10 {
 			if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
 				t.Fatal(err)

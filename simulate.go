@@ -28,7 +28,10 @@
 // answer changes: the last units of stock, a key's expiry to the
 // microsecond, a signature just beyond the tolerance
 // (simulate_boundaries.go), the failure that makes a message poison
-// (simulate_poison.go).
+// (simulate_poison.go). An order is refunded twice in a row while the
+// broker refuses the first refund's event, and the broker checks that
+// each event first goes out after those of its order written before it
+// (simulate_outboxorder.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -138,6 +141,9 @@ type simCounts struct {
 	// Processor requests lost on the way, and refund retries while a
 	// lease is held (simulate_held.go).
 	simHeldCounts
+	// Orders refunded twice in a row while the broker refused the first
+	// refund's event (simulate_outboxorder.go).
+	simOutboxOrderCounts
 	Repairs simRepairCounts
 }
 
@@ -183,6 +189,7 @@ func (c *simCounts) add(other simCounts) {
 	c.simBoundaryCounts.add(other.simBoundaryCounts)
 	c.simPoisonCounts.add(other.simPoisonCounts)
 	c.simHeldCounts.add(other.simHeldCounts)
+	c.simOutboxOrderCounts.add(other.simOutboxOrderCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -191,10 +198,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
 		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
-		c.simBoundaryCounts, c.simPoisonCounts, c.simHeldCounts)
+		c.simBoundaryCounts, c.simPoisonCounts, c.simHeldCounts, c.simOutboxOrderCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -401,6 +408,9 @@ type simulation struct {
 	// poisonRun is the message a consumer fails on at every delivery
 	// (simulate_poison.go).
 	poisonRun *simPoisonRun
+	// heldEvent is the order refunded twice in a row, whose first refund
+	// event the broker refuses (simulate_outboxorder.go).
+	heldEvent *simHeldEvent
 	// violation is the first broken promise found by a check that runs
 	// inside the App's own calls, where an error would be taken for the
 	// App's: the run fails with it at the end of the step.
@@ -693,6 +703,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 		return err
 	}
 	if moved, err := s.stepPoisonRun(ctx); moved {
+		return err
+	}
+	if sent, err := s.stepHeldEvent(ctx); sent {
 		return err
 	}
 	roll := s.rng.IntN(100)
@@ -1287,6 +1300,13 @@ func (s *simulation) clientRequest(ctx context.Context) error {
 		// A refund of a paid order whose processor answer is lost; its
 		// client gives up (simulate_abandon.go).
 		if sent, err := s.timeOutRefund(ctx, client); sent || err != nil {
+			return err
+		}
+	}
+	if s.heldEvent == nil && s.chance(refundTwiceChance) {
+		// An order refunded twice in a row, while the broker refuses the
+		// first refund's event (simulate_outboxorder.go).
+		if sent, err := s.refundTwice(ctx); sent || err != nil {
 			return err
 		}
 	}
@@ -2230,11 +2250,14 @@ delivers a batch out of order, loses acks and gets publishes twice, orders
 for exactly the stock that remains, retries at a key's expiry (or a
 microsecond before) and of a create whose transaction spanned a clock move,
 refunds given up on after a processor timeout, signed events of a real
-refund with another amount or signed beyond the tolerance, and a message
-that fails at every delivery until it is poison. Every
+refund with another amount or signed beyond the tolerance, a message
+that fails at every delivery until it is poison, and orders refunded twice
+in a row while the broker refuses the first refund's event. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
-hold and every event marked published must be in the broker; at the end the
+hold and every event marked published must be in the broker, and each event
+must reach the broker first after the events of its order written before it;
+at the end the
 system is made quiet and the full check, each order's fate and every answer
 the clients got are checked.
 

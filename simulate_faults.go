@@ -410,7 +410,9 @@ type simBroker struct {
 }
 
 // publishBatch publishes, and sometimes publishes again, as a relay whose
-// answer was lost would. It remembers what it acknowledged.
+// answer was lost would. It remembers what it acknowledged, and checks
+// that each event it acknowledges for the first time goes out in the
+// order of its order's events.
 func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 	if len(msgs) > 0 && msgs[0].PublishID != "" {
 		// The reconciler's copies, claimed a moment ago: only of messages
@@ -419,6 +421,10 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 			b.s.violate(err)
 		}
 	}
+	// Now and then it refuses an order's refund event, and stores the
+	// rest of the batch, while the order is refunded again
+	// (simulate_outboxorder.go).
+	msgs, refused := b.s.refuseHeldEvent(msgs)
 	if err := b.messageBroker.publishBatch(ctx, msgs); err != nil {
 		return err
 	}
@@ -426,7 +432,15 @@ func (b *simBroker) publishBatch(ctx context.Context, msgs []message) error {
 		b.accepted = map[string]bool{}
 	}
 	for _, msg := range msgs {
+		if !b.accepted[msg.ID] {
+			if err := b.s.checkFirstPublishedInOrder(ctx, msg.ID, b.accepted); err != nil {
+				b.s.violate(err)
+			}
+		}
 		b.accepted[msg.ID] = true
+	}
+	if refused != nil {
+		return refused
 	}
 	if !b.s.quiescing && len(msgs) > 0 && b.s.chance(0.1) {
 		b.s.report.Counts.DuplicatePublishes++
@@ -496,6 +510,44 @@ func (s *simulation) checkPublishedInBroker(ctx context.Context) error {
 		}
 		if !b.accepted[id] && !b.lost[id] {
 			return s.fail("the outbox says %s is published, and the broker never had it (nor lost it)", id)
+		}
+	}
+	return rows.Err()
+}
+
+// checkFirstPublishedInOrder fails the run unless the event id, which the
+// broker has just acknowledged for the first time, goes out in the order
+// the events of its order were written: after every event of the order
+// written before it, and before every event written after it. accepted
+// holds what the broker acknowledged before, the events of id's batch
+// ahead of it included. Only a first publication counts: a relay that
+// crashed before its mark, or was paused past its lease, and the
+// reconciler publish again what the broker already had, and such a copy
+// goes out whenever it does. Called as the broker acknowledges the batch,
+// before anything else runs.
+func (s *simulation) checkFirstPublishedInOrder(ctx context.Context, id string, accepted map[string]bool) error {
+	rows, err := s.direct.QueryContext(ctx, `
+		SELECT e.event_id, e.event_type, e.aggregate_id, e.seq < first.seq, first.event_type
+		FROM outbox_events e JOIN outbox_events first ON first.aggregate_id = e.aggregate_id
+		WHERE first.event_id = ? AND e.seq <> first.seq
+		ORDER BY e.seq`, id)
+	if err != nil {
+		return fmt.Errorf("read the events of %s's order: %w", id, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var other, otherType, orderID, firstType string
+		var before bool
+		if err := rows.Scan(&other, &otherType, &orderID, &before, &firstType); err != nil {
+			return fmt.Errorf("read the events of %s's order: %w", id, err)
+		}
+		switch {
+		case before && !accepted[other]:
+			return s.fail("%s %s of %s went out before %s %s, written before it and not published yet: "+
+				"events of one order go out in the order they were written", firstType, id, orderID, otherType, other)
+		case !before && accepted[other]:
+			return s.fail("%s %s of %s went out after %s %s, written after it: "+
+				"events of one order go out in the order they were written", firstType, id, orderID, otherType, other)
 		}
 	}
 	return rows.Err()

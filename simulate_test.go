@@ -107,8 +107,9 @@ func TestSimulation(t *testing.T) {
 		t.Errorf("in %d seeds no replay reached every consumer of its subject", seeds)
 	}
 	if !onPostgres() && seeds >= defaultSimulationSeeds {
-		// The boundaries and the poison structures: each reached in the
-		// first seeds, so that an oracle that can no longer fail shows.
+		// The boundaries, the poison and the outbox's order structures:
+		// each reached in the first seeds, so that an oracle that can no
+		// longer fail shows.
 		for _, reached := range []struct {
 			what string
 			n    int
@@ -123,6 +124,7 @@ func TestSimulation(t *testing.T) {
 			{"messages failed at every delivery until poison", total.PoisonAtThreshold},
 			{"replays checked back in flight", total.ReplaysInFlight},
 			{"sweeps of the reconciler checked", total.SweepsChecked},
+			{"refusals of an order's refund event while the order was refunded again", total.RefusedPublishes},
 		} {
 			if reached.n == 0 {
 				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
