@@ -72,11 +72,15 @@ const (
 	outboxFailed    outboxStatus = "failed"
 )
 
-// Batch sizes of the background jobs.
+// Batch sizes of the background jobs. A saga pass takes as many sagas as
+// one consumer batch can start: at 16, a backlog of orders waited for the
+// saga loop, 16 sagas a pass, and a round's commit served a quarter of
+// what it could (72 settled orders/s on PostgreSQL, 8 clients sending
+// 1,000 orders at once; 185 at 64).
 const (
 	relayBatchSize   = 128
 	consumeBatchSize = 64
-	sagaBatchSize    = 16
+	sagaBatchSize    = consumeBatchSize
 	refundBatchSize  = 16
 )
 
