@@ -31,7 +31,9 @@
 // (simulate_poison.go). An order is refunded twice in a row while the
 // broker refuses the first refund's event, and the broker checks that
 // each event first goes out after those of its order written before it
-// (simulate_outboxorder.go).
+// (simulate_outboxorder.go). The saga workers lose their way to the
+// processor until their sagas have failed five times in a row, and a
+// charge is undone meanwhile (simulate_cutoff.go).
 //
 // Every client request and worker pass is an action that runs as a
 // coroutine (iter.Pull): at each fault point outside a transaction it hands
@@ -144,6 +146,9 @@ type simCounts struct {
 	// Orders refunded twice in a row while the broker refused the first
 	// refund's event (simulate_outboxorder.go).
 	simOutboxOrderCounts
+	// The saga workers cut off from the processor
+	// (simulate_cutoff.go).
+	simCutOffCounts
 	Repairs simRepairCounts
 }
 
@@ -190,6 +195,7 @@ func (c *simCounts) add(other simCounts) {
 	c.simPoisonCounts.add(other.simPoisonCounts)
 	c.simHeldCounts.add(other.simHeldCounts)
 	c.simOutboxOrderCounts.add(other.simOutboxOrderCounts)
+	c.simCutOffCounts.add(other.simCutOffCounts)
 	c.Repairs.add(other.Repairs)
 }
 
@@ -198,10 +204,10 @@ func (c *simCounts) add(other simCounts) {
 func (c simCounts) structures() string {
 	return fmt.Sprintf("%d orders of several items, %d keys reused, %d clock jumps inside a transaction, "+
 		"%d consumer failures, %d group commits of %d members, %d own refunds announced in flight, "+
-		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s, %s, %s",
+		"%d full disks (%d answers 503 for it), %s, %d saga workers frozen past their lease, %s, %s, %s, %s, %s, %s, %s, %s, %s",
 		c.MultiItemOrders, c.KeysReused, c.ClockJumpsInTx, c.ConsumerErrors, c.GroupBatches, c.GroupMembers,
 		c.OwnRefundsAnnounced, c.FullDisks, c.AnswersFull, c.simAbandonedCounts, c.FrozenSagaWorkers, c.simTransientCounts, c.simConsumersCounts, c.simForgedCounts, c.simSharedKeysCounts,
-		c.simBoundaryCounts, c.simPoisonCounts, c.simHeldCounts, c.simOutboxOrderCounts)
+		c.simBoundaryCounts, c.simPoisonCounts, c.simHeldCounts, c.simOutboxOrderCounts, c.simCutOffCounts)
 }
 
 // simProcess is a virtual serve, relay or worker process. Its name is its
@@ -411,6 +417,12 @@ type simulation struct {
 	// heldEvent is the order refunded twice in a row, whose first refund
 	// event the broker refuses (simulate_outboxorder.go).
 	heldEvent *simHeldEvent
+	// cutOffState is the stretch in which the saga workers cannot reach
+	// the processor (simulate_cutoff.go).
+	cutOffState *simCutOff
+	// refuseConfirmIn is the saga pass in which the warehouse refuses a
+	// confirm (simulate_cutoff.go).
+	refuseConfirmIn *simAction
 	// violation is the first broken promise found by a check that runs
 	// inside the App's own calls, where an error would be taken for the
 	// App's: the run fails with it at the end of the step.
@@ -708,6 +720,9 @@ func (s *simulation) oneStep(ctx context.Context) error {
 	if sent, err := s.stepHeldEvent(ctx); sent {
 		return err
 	}
+	if moved, err := s.stepCutOff(ctx); moved {
+		return err
+	}
 	roll := s.rng.IntN(100)
 	switch {
 	case roll < 25 && len(s.actions) > 0:
@@ -856,6 +871,14 @@ func (s *simulation) faultHook(ctx context.Context, point faultPoint) error {
 		return errCrash
 	}
 	s.heldLease(action, point)
+	if err := s.cutOff(ctx, action, point); err != nil {
+		return err
+	}
+	if action == s.refuseConfirmIn {
+		// The last pass of a stretch cut off from the processor runs
+		// straight through, to a refused confirm (simulate_cutoff.go).
+		return s.refuseShipment(ctx, action, point)
+	}
 	if err := s.loseRequest(action, point); err != nil {
 		return err
 	}
@@ -2251,8 +2274,10 @@ for exactly the stock that remains, retries at a key's expiry (or a
 microsecond before) and of a create whose transaction spanned a clock move,
 refunds given up on after a processor timeout, signed events of a real
 refund with another amount or signed beyond the tolerance, a message
-that fails at every delivery until it is poison, and orders refunded twice
-in a row while the broker refuses the first refund's event. Every
+that fails at every delivery until it is poison, orders refunded twice
+in a row while the broker refuses the first refund's event, and saga
+workers cut off from the processor until their sagas have failed five times
+in a row. Every
 answer is judged, as it is given, against a reference model of what the
 request must get; after every step the in-flight invariants of check must
 hold and every event marked published must be in the broker, and each event

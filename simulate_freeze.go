@@ -33,7 +33,7 @@ type simFrozen struct {
 // saga pass that reaches a point between two steps is frozen there. It
 // reports whether it froze action (which must then wait).
 func (s *simulation) freezeSagaWorker(action *simAction, point faultPoint) bool {
-	if s.frozen != nil || action.what != "sagaOnce" || s.quiescing {
+	if s.frozen != nil || action.what != "sagaOnce" || s.quiescing || action == s.refuseConfirmIn {
 		return false
 	}
 	switch point {

@@ -77,8 +77,14 @@ const (
 )
 
 // refuseShipmentChance is the chance that the warehouse refuses a saga
-// step where it writes its effect.
-const refuseShipmentChance = 0.1
+// step where it writes its effect; refuseConfirmChance the chance in a
+// saga pass that holds a saga at confirm, whose card is charged (the
+// refusal undoes the charge: few confirms run where faults do, most in
+// the calm catch-ups).
+const (
+	refuseShipmentChance = 0.1
+	refuseConfirmChance  = 0.5
+)
 
 // sagaStepsCap is more saga steps than the engine can start between two
 // steps of the simulation, or in one round of quiescing: every worker's
@@ -162,7 +168,23 @@ func (s *simulation) countSagaStep(point faultPoint) error {
 // refuses the shipment would. Every order whose saga is at reserve_stock
 // or confirm may be the one: the model lets each end cancelled.
 func (s *simulation) refuseShipment(ctx context.Context, action *simAction, point faultPoint) error {
-	if point != faultAfterStepEffect || action.request != nil || !s.chance(refuseShipmentChance) {
+	if point != faultAfterStepEffect || action.request != nil {
+		return nil
+	}
+	chance := refuseShipmentChance
+	confirming, err := s.sagasAtConfirm(ctx, action)
+	if err != nil {
+		return err
+	}
+	if len(confirming.sagas) > 0 {
+		chance = refuseConfirmChance
+		if action == s.refuseConfirmIn {
+			// The last pass of the saga workers cut off from the
+			// processor (simulate_cutoff.go).
+			chance = 1
+		}
+	}
+	if !s.chance(chance) {
 		return nil
 	}
 	rows, err := s.direct.QueryContext(ctx, `
@@ -184,5 +206,9 @@ func (s *simulation) refuseShipment(ctx context.Context, action *simAction, poin
 	}
 	s.report.Counts.RefusedShipments++
 	s.tracef("a%d %s: the warehouse refuses a shipment", action.id, action.process.name)
+	if len(confirming.sagas) > 0 && s.cutOffState == nil {
+		// Its charge is to be undone (simulate_cutoff.go).
+		s.beganCutOff(confirming, fmt.Sprintf("a%d %s: ", action.id, action.process.name))
+	}
 	return permanent(errors.New("the warehouse refuses the shipment"))
 }

@@ -125,6 +125,8 @@ func TestSimulation(t *testing.T) {
 			{"replays checked back in flight", total.ReplaysInFlight},
 			{"sweeps of the reconciler checked", total.SweepsChecked},
 			{"refusals of an order's refund event while the order was refunded again", total.RefusedPublishes},
+			{"sagas failed as often as a compensation may while cut off from the processor", total.SagasWornOut},
+			{"compensating refunds lost while cut off from the processor", total.CompensationsCutOff},
 		} {
 			if reached.n == 0 {
 				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
