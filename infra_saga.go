@@ -56,23 +56,26 @@ func sagaBackoff(attempts int) time.Duration {
 // pass ends when no claimed saga goes on.
 //
 // The first round of a pass always claims; a later one only if a saga was
-// started since the last claim (a.wake.saga was signalled): a claim after
-// every round found nothing in most, a statement each. Sagas that become
-// due without a signal (a retry's backoff over, another process's, a dead
-// worker's) wait for the next pass, as they would when no pass runs.
+// started since the last claim (a.wake.saga was signalled), or if the last
+// claim may have left due sagas behind (it took all it had room for, or
+// had no room): a claim after every round found nothing in most, a
+// statement each. Sagas that become due without a signal (a retry's
+// backoff over, another process's, a dead worker's) wait for the next
+// pass, as they would when no pass runs.
 func (a *App) sagaOnce(ctx context.Context, workerID string, max int) (int, error) {
 	var runs []*sagaRun
 	var failures []error
 	claimed := 0
 	var seen uint64
+	leftBehind := false
 	for first := true; first || len(runs) > 0; first = false {
 		var admitted int
 		var err error
-		claim := first || a.wake.saga.count() != seen
+		claim := first || leftBehind || a.wake.saga.count() != seen
 		if claim {
 			seen = a.wake.saga.count()
 		}
-		runs, admitted, err = a.sagaRound(ctx, workerID, max, runs, claim, &failures)
+		runs, admitted, leftBehind, err = a.sagaRound(ctx, workerID, max, runs, claim, &failures)
 		if err != nil {
 			return 0, errors.Join(append(failures, err)...)
 		}
@@ -348,14 +351,16 @@ func (n sagaNext) String() string {
 // If claim is set, the round's transaction also claims, for workerID, the
 // sagas that became due, up to max with those that go on, and runs the
 // first step of each (admitSagas); then it reads every saga of the next
-// round (readSagaRuns). It returns how many it claimed.
+// round (readSagaRuns). It returns how many it claimed, and whether it may
+// have left due sagas unclaimed: it took as many as it had room for, or it
+// had no room.
 //
 // A saga that fails unexpectedly (a bug, a broken row) is set aside for a
 // minute and reported in failures; it does not hold up the others. Returns
 // an error only when the worker must stop: errCrash, or the database
 // failing (nothing of the round's transaction is committed then; the sagas
 // come back when their leases pass).
-func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, claim bool, failures *[]error) ([]*sagaRun, int, error) {
+func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, claim bool, failures *[]error) (_ []*sagaRun, claimed int, leftBehind bool, _ error) {
 	var unread []*sagaRun
 	for _, run := range runs {
 		if run.read == nil {
@@ -376,7 +381,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 			next, err := a.runCompensation(ctx, run)
 			if err != nil {
 				failSagaSpans(stepping, err)
-				return nil, 0, err
+				return nil, 0, false, err
 			}
 			if next == sagaAgain {
 				again = append(again, run)
@@ -387,13 +392,13 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		stepping = append(stepping, run)
 		if err := a.fault.at(ctx, faultBeforeStep); err != nil {
 			failSagaSpans(stepping, err)
-			return nil, 0, err
+			return nil, 0, false, err
 		}
 	}
 	runs = stepping
 	if err := a.sagaCalls(ctx, runs); err != nil {
 		failSagaSpans(runs, err)
-		return nil, 0, err
+		return nil, 0, false, err
 	}
 	var steps, admittedSteps []sagaStepOutcome
 	var admitted []*sagaRun
@@ -413,12 +418,13 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 				next = append(next, run)
 			}
 		}
-		admitted, admittedSteps = nil, nil
+		admitted, admittedSteps, leftBehind = nil, nil, claim
 		if claim && len(next) < max {
 			admitted, admittedSteps, err = a.admitSagas(ctx, tx, undo, workerID, max-len(next))
 			if err != nil {
 				return err
 			}
+			leftBehind = len(admitted) == max-len(next)
 		}
 		for i, run := range admitted {
 			if admittedSteps[i].next == sagaAgain {
@@ -429,7 +435,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 	})
 	if err != nil {
 		failSagaSpans(append(runs, admitted...), err)
-		return nil, 0, err
+		return nil, 0, false, err
 	}
 	wroteEvent := false
 	all, outcomes := append(slices.Clone(runs), admitted...), append(slices.Clone(steps), admittedSteps...)
@@ -458,7 +464,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		case sagaWroteEvent:
 			wroteEvent = true
 		default:
-			return nil, 0, fmt.Errorf("bug: unhandled saga next %d", step.next)
+			return nil, 0, false, fmt.Errorf("bug: unhandled saga next %d", step.next)
 		}
 	}
 	if wroteEvent {
@@ -466,7 +472,7 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		// next poll to tell the order service.
 		a.wake.outboxWritten()
 	}
-	return again, len(admitted), nil
+	return again, len(admitted), leftBehind, nil
 }
 
 // readAfterStepDone is what the next round would read of run's saga once

@@ -716,7 +716,7 @@ func TestSagaRoundKnowsWhatItWrote(t *testing.T) {
 	// the sagas end.
 	for round := 1; round <= 2; round++ {
 		var err error
-		if runs, _, err = env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil || len(failures) > 0 {
+		if runs, _, _, err = env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil || len(failures) > 0 {
 			t.Fatal(err, failures)
 		}
 		if len(runs) != 2 {
@@ -733,7 +733,7 @@ func TestSagaRoundKnowsWhatItWrote(t *testing.T) {
 			}
 		}
 	}
-	if runs, _, err := env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil || len(runs) != 0 {
+	if runs, _, _, err := env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil || len(runs) != 0 {
 		t.Fatalf("round 3: %d sagas go on, %v; want none", len(runs), err)
 	}
 	if got := env.count(t, `SELECT COUNT(*) FROM orders o JOIN saga_instances s ON s.order_id = o.order_id WHERE s.status = 'completed'`); got != 2 {

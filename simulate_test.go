@@ -126,7 +126,6 @@ func TestSimulation(t *testing.T) {
 			{"sweeps of the reconciler checked", total.SweepsChecked},
 			{"refusals of an order's refund event while the order was refunded again", total.RefusedPublishes},
 			{"sagas failed as often as a compensation may while cut off from the processor", total.SagasWornOut},
-			{"compensating refunds lost while cut off from the processor", total.CompensationsCutOff},
 		} {
 			if reached.n == 0 {
 				t.Errorf("in %d seeds the simulator made no %s", seeds, reached.what)
@@ -140,6 +139,11 @@ func TestSimulation(t *testing.T) {
 	}
 	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.ReplaysLost == 0 {
 		t.Errorf("in %d seeds the broker lost no replay", seeds)
+	}
+	// About two seeds in a hundred undo a charge while the saga workers
+	// cannot reach the processor, until the compensation gives up.
+	if !onPostgres() && seeds >= 50*defaultSimulationSeeds && total.CompensationsCutOff == 0 {
+		t.Errorf("in %d seeds no compensation failed %d times in a row cut off from the processor", seeds, maxCompensationAttempts)
 	}
 }
 
