@@ -38,8 +38,9 @@ const (
 	// ackWait is how long the broker waits for an ack before it delivers the
 	// message again. It must exceed the slowest consumer's transaction.
 	ackWait = 30 * time.Second
-	// maxDeliveries is how often a message that fails for a transient reason
-	// is delivered before the inbox records it as poison.
+	// maxDeliveries is how many times the consumer's own code may fail a
+	// message for a transient reason before the inbox records it poison
+	// (an outage counts nothing: it is not the message's fault).
 	maxDeliveries = 5
 
 	// sagaLease is how long a worker owns a saga it is running; recovery

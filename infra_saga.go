@@ -295,7 +295,7 @@ type sagaRun struct {
 	chargeID string
 	callErr  error
 	// renewed: the last round's commit recorded a step of this saga, and
-	// renewed its lease with it (fenceSaga).
+	// renewed its lease with it (advanceSaga).
 	renewed bool
 	// span is the span of what this round does to the saga (tracing.go).
 	span trace.Span

@@ -531,7 +531,7 @@ func (b *natsBroker) replay(ctx context.Context, tx *sql.Tx, subscriber string, 
 //
 // The UPDATE is fenced like every saga write: it checks the status on the
 // row, and takes a lease token of its own, so a worker still holding an
-// older claim on the saga finds its token gone (fenceSaga) and writes
+// older claim on the saga finds its token gone (advanceSaga) and writes
 // nothing.
 func (a *App) resumeSaga(ctx context.Context, operator, sagaID string) (repairResult, error) {
 	if err := checkRepairID("saga", sagaID); err != nil {
