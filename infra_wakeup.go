@@ -47,6 +47,11 @@ type wakeup struct {
 	// sent counts the signals ever sent: a loop compares it before and
 	// after a pass (dropIfSeen).
 	sent atomic.Uint64
+	// keepSeen: the loop's look may miss what a signal sent before it
+	// announced (a JetStream consumer's FetchNoWait right after the
+	// publish it was told of: the server hands the message to the consumer
+	// a moment later), so a pass that found nothing keeps the signal.
+	keepSeen atomic.Bool
 }
 
 // newWakeup returns a wakeup with no signal pending.
@@ -82,7 +87,7 @@ func (w *wakeup) count() uint64 {
 // transaction) after most passes. A signal sent since stays, or is put
 // back: the pass may have looked before that work was committed.
 func (w *wakeup) dropIfSeen(seen uint64) {
-	if w == nil {
+	if w == nil || w.keepSeen.Load() {
 		return
 	}
 	select {

@@ -372,3 +372,42 @@ func TestLoopDropsASignalItsPassSaw(t *testing.T) {
 		t.Fatal("the signal sent during pass 2 was dropped")
 	}
 }
+
+// TestLoopKeepsASignalItsLookMayHaveMissed: a consumer loop on NATS, whose
+// fetch (FetchNoWait) may come a moment before the message it was told
+// of, looks again after a pass that found nothing, instead of dropping
+// the signal and idling (an order stuck in CI, "not final after 1m0s,
+// with every loop idle for an hour").
+func TestLoopKeepsASignalItsLookMayHaveMissed(t *testing.T) {
+	ctx, stop := context.WithCancel(context.Background())
+	var loops sync.WaitGroup
+	t.Cleanup(func() {
+		stop()
+		loops.Wait()
+	})
+	wake := newWakeup()
+	wake.keepSeen.Store(true)
+	wake.signal()
+	passes := make(chan int, 4)
+	pass := 0
+	startLoop(ctx, &loops, discardLogger(), "test", time.Hour, wake, 0, func(ctx context.Context) (int, error) {
+		// Each look finds nothing: the first comes before the message,
+		// the second finds it gone to another consumer.
+		pass++
+		select {
+		case passes <- pass:
+		case <-ctx.Done():
+		}
+		return 0, nil
+	})
+	for want := 1; want <= 2; want++ {
+		select {
+		case got := <-passes:
+			if got != want {
+				t.Fatalf("pass %d; want %d", got, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no pass %d: the signal was dropped after an empty look", want)
+		}
+	}
+}

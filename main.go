@@ -653,6 +653,11 @@ func startRelayLoop(ctx context.Context, wg *sync.WaitGroup, app *App, workerID 
 // done.
 func startWorkerLoops(ctx context.Context, wg *sync.WaitGroup, app *App, workerID string, logger *slog.Logger) {
 	for _, c := range app.consumers() {
+		if _, onNATS := app.broker.(*natsBroker); onNATS {
+			// A fetch that found nothing may have come a moment before
+			// the message it was woken for (keepSeen).
+			app.wake.consumers[c.name].keepSeen.Store(true)
+		}
 		startLoop(ctx, wg, logger, "consume "+c.name, app.idle.worker, app.wake.consumers[c.name], 0, func(ctx context.Context) (int, error) {
 			results, err := app.consumeOnce(ctx, c, consumeBatchSize)
 			for _, result := range results {
