@@ -390,10 +390,44 @@ func (d *demo) compensation(ctx context.Context) error {
 	return d.check(status == string(orderCancelled), "order "+shortID(declinedID)+" is cancelled, not left paid", "the order is "+status)
 }
 
-// refund is a refund's atomic phases, retried.
+// refund is a refund's atomic phases: the processor's answer to the
+// refund is lost, and the client's retry resumes from the recovery point
+// the first request reached.
 func (d *demo) refund(ctx context.Context, orderID string) error {
-	d.title("The customer gets a refund of the first order; the client retries that too")
+	d.title("The customer asks for a refund of the first order; the processor's answer is lost, and the client retries")
+	d.mu.Lock()
+	d.dropAt = faultProcessorLoseResponse
+	d.mu.Unlock()
+	lost, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
+	d.mu.Lock()
+	d.dropAt = ""
+	d.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	keyAt := func(point recoveryPoint) int {
+		return d.count(ctx, `SELECT COUNT(*) FROM idempotency_keys WHERE idempotency_key = ? AND recovery_point = ? AND locked_by IS NULL`, demoRefundKey, string(point))
+	}
+	refunds, waiting := d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`), keyAt(recoveryRefundRequested)
+	err = d.check(lost.status == 503 && refunds == 1 && waiting == 1,
+		"503; the processor made the refund, and the key waits at refund_requested, released",
+		fmt.Sprintf("%s; %d refund(s) at the processor, %d key(s) released at refund_requested", lost.seen(), refunds, waiting),
+		"recovery points: the first phase committed started -> refund_requested before the call;",
+		"the answer was lost on the way back, so nothing after the call was stored")
+	if err != nil {
+		return err
+	}
 	refunded, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
+	if err != nil {
+		return err
+	}
+	refunds, finished := d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`), keyAt(recoveryFinished)
+	hits := d.count(ctx, `SELECT COALESCE(SUM(key_hits), 0) FROM processor_refunds`)
+	err = d.check(refunded.status == 200 && !refunded.replayed && refunds == 1 && hits == 1 && finished == 1,
+		"the retry resumed at refund_requested: 200, still 1 refund of 2000 at the processor",
+		fmt.Sprintf("%s; %d refund(s) at the processor, %d key hit(s), %d key(s) finished", refunded.seen(), refunds, hits, finished),
+		"it asked the processor again under the refund's own key, answered from that key,",
+		"then recorded the refund and its answer: refund_requested -> finished")
 	if err != nil {
 		return err
 	}
@@ -401,10 +435,11 @@ func (d *demo) refund(ctx context.Context, orderID string) error {
 	if err != nil {
 		return err
 	}
-	refunds := d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`)
-	err = d.check(refunded.status == 200 && !refunded.replayed && refundedAgain.replayed && bytes.Equal(refunded.body, refundedAgain.body) && refunds == 1,
-		"1 refund of 2000 at the processor", fmt.Sprintf("%s, then %s; %d refund(s) at the processor", refunded.seen(), refundedAgain.seen(), refunds),
-		"idempotency key: the refund went started -> refund_requested -> finished; the retry replayed it")
+	refunds = d.count(ctx, `SELECT COUNT(*) FROM processor_refunds`)
+	err = d.check(refundedAgain.replayed && bytes.Equal(refunded.body, refundedAgain.body) && refunds == 1,
+		"a third try replays the answer byte for byte; 1 refund of 2000 at the processor",
+		fmt.Sprintf("%s; %d refund(s) at the processor", refundedAgain.seen(), refunds),
+		"idempotency key: a finished key replays")
 	if err != nil {
 		return err
 	}
@@ -596,7 +631,7 @@ func (d *demo) summaryRows(ctx context.Context) []summaryRow {
 		{"stock sold for cart-7", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'sold'`, demoKey), 1},
 		{"stock released for cart-8 (declined)", "1 compensation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'released'`, demoDeclinedKey), 1},
 		{"order cancelled for cart-8", "1 delivery", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ? AND status = 'cancelled'`, demoDeclinedKey), 1},
-		{"refund of 2000 made", "3 POSTs", d.count(ctx, `SELECT COUNT(*) FROM processor_refunds WHERE idempotency_key <> ?`, demoDashboardRefund), 1},
+		{"refund of 2000 made", "4 POSTs, 1 lost", d.count(ctx, `SELECT COUNT(*) FROM processor_refunds WHERE idempotency_key <> ?`, demoDashboardRefund), 1},
 		{"dashboard refund counted", "2 webhooks", d.count(ctx, `SELECT COUNT(*) FROM refunds WHERE source = 'webhook'`), 1},
 	}
 }
@@ -719,7 +754,7 @@ func (d *demo) summary(ctx context.Context) error {
 
 // summaryWithout prints the closing tables and the invariants check of a
 // run without a layer, and returns how many violations check found, of how
-// many invariants. The tables' wrong rows count as failed checks.
+// many invariants. The tables' marked rows join d.failed.
 func (d *demo) summaryWithout(ctx context.Context) (violations, invariants int, err error) {
 	d.failed = append(d.failed, d.printSummary(ctx)...)
 	d.failed = append(d.failed, d.printDeliveries()...)

@@ -225,18 +225,20 @@ func (d *demo) runWithout(ctx context.Context) error {
 		d.failed = append(d.failed, err.Error())
 		fmt.Fprintf(d.out, "   FAILED: the story could not go on: %v\n", err)
 	}
+	story := len(d.failed)
 	violations, broken, err := d.summaryWithout(ctx)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(d.out, "\n== The hole: without the %s layer ==\n", d.without)
-	fmt.Fprintf(d.out, "   %d checks of the story failed, and check found %d violation(s) of %d invariant(s).\n", len(d.failed), violations, broken)
+	fmt.Fprintf(d.out, "   %d check(s) of the story failed, %d row(s) of the closing tables are marked, and check found %d violation(s) of %d invariant(s).\n",
+		story, len(d.failed)-story, violations, broken)
 	if len(d.failed) == 0 && violations == 0 {
 		return fmt.Errorf("without the %s layer the story still passed: the demo no longer shows its hole", d.without)
 	}
 	fmt.Fprintf(d.out, "   What went wrong: %s.\n", h.effect)
 	fmt.Fprintf(d.out, "   The test that catches it: %s\n", h.test)
-	return fmt.Errorf("without the %s layer: %d checks failed, %d invariants broken", d.without, len(d.failed), broken)
+	return fmt.Errorf("without the %s layer: %d check(s) and table row(s) failed, %d invariant(s) broken", d.without, len(d.failed), broken)
 }
 
 // requestFault is the part of the demo's fault hook that the server's

@@ -125,11 +125,15 @@ func Example_demo() {
 	// ok: sku-2 stock is back: 1000 available, 0 reserved
 	// order-svc: evt_aad76d3d -> applied
 	// -> 200 OK
-	// == 9. The customer gets a refund of the first order; the client retries that too ==
+	// == 9. The customer asks for a refund of the first order; the processor's answer is lost, and the client retries ==
+	// -> 503 Service Unavailable
+	// ok: 503; the processor made the refund, and the key waits at refund_requested, released
+	// recovery points: the first phase committed started -> refund_requested before the call;
 	// -> 200 OK
+	// ok: the retry resumed at refund_requested: 200, still 1 refund of 2000 at the processor
+	// then recorded the refund and its answer: refund_requested -> finished
 	// -> 200 OK  Idempotent-Replayed: true
-	// ok: 1 refund of 2000 at the processor
-	// idempotency key: the refund went started -> refund_requested -> finished; the retry replayed it
+	// ok: a third try replays the answer byte for byte; 1 refund of 2000 at the processor
 	// == 10. Two clients send one new key at the same moment ==
 	// A -> 201 Created
 	// B -> 201 Created  Idempotent-Replayed: true

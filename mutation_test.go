@@ -49,8 +49,9 @@ type mutationEdit struct {
 func mutations() []mutation {
 	return []mutation{
 		{
-			name:  "SagaWritesUnfenced",
-			fault: "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
+			name:    "SagaWritesUnfenced",
+			catcher: "TestSaga/StaleWorkerCannotCancelTwice",
+			fault:   "retrysafe fault 1: a saga worker paused past its lease undoes a live one's work",
 			edits: []mutationEdit{
 				{"saga.go", "WHERE saga_id = ? AND status = ? AND lease_token = ?`, args...)", "WHERE saga_id = ? AND ? <> '' AND ? >= 0`, args...)"},
 			},

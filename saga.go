@@ -591,7 +591,9 @@ func firstStepNamed(steps []sagaStepRow, name string) (sagaStepRow, bool) {
 // or wrote; it renews the worker's lease (or releases it, with release:
 // a saga that has ended needs none), and moves the token on. It returns
 // errSagaLeaseLost unless it changed the row, and then the caller's
-// savepoint or transaction rolls back the step's effect with it.
+// savepoint or transaction rolls back the step's effect with it. Once the
+// transaction commits, the caller adds one to lease.Token, as the update
+// did (inSagaTx; sagaRound for a round's steps), so its next write matches.
 //
 // A lease is not a lock. A worker paused past sagaLease (a GC pause, a
 // SIGSTOP, a slow disk) wakes up believing it holds the saga while another

@@ -505,8 +505,8 @@ func TestSaga(t *testing.T) {
 	//
 	// In this interleaving A's confirm without the compare-and-set would
 	// commit in B's place, to the same end: the test passes with
-	// advanceSaga unfenced (mutant SagaWritesUnfenced), which only the
-	// simulator catches (docs/break-it.md).
+	// advanceSaga unfenced (mutant SagaWritesUnfenced), which
+	// StaleWorkerCannotCancelTwice below catches.
 	t.Run("StaleWorkerCannotUndoALiveOne", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-rare", 1, pmCardVisa)).Body, "order_id")
@@ -560,6 +560,61 @@ func TestSaga(t *testing.T) {
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_type = 'OrderCancelled'`); got != 0 {
 			t.Fatalf("got %d OrderCancelled events, want none", got)
+		}
+	})
+
+	// Ensure a saga worker paused past its lease in the middle of a
+	// compensation writes nothing once another worker has finished it: the
+	// fence (advanceSaga's compare-and-set on status and token) is what
+	// stops it. Worker A undoes the reservation of a declined order and
+	// stalls past its lease before it cancels the order. B takes the saga
+	// over, finds the reservation undone, and cancels the order: one
+	// OrderCancelled, the saga compensated. A resumes with its old token and
+	// cancels the order again: its write ends with advanceSaga, which finds
+	// neither A's token nor the status A read, and the OrderCancelled A
+	// inserted rolls back with it. Without the fence (mutant
+	// SagaWritesUnfenced) A's cancellation commits, and the order service is
+	// told twice.
+	t.Run("StaleWorkerCannotCancelTwice", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardDeclined)).Body, "order_id")
+		startSagas(t, env)
+
+		tookOver := false
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			if point != faultMidCompensation || workerOf(ctx) != "A" || tookOver {
+				return nil
+			}
+			// A has recorded the reservation released, and stalls before
+			// it cancels the order, past its lease; B takes the saga over
+			// and finishes it.
+			tookOver = true
+			env.clock.advance(env.app.leases.saga + time.Second)
+			bDone := make(chan error, 1)
+			go func() {
+				_, err := env.app.sagaOnce(withWorker(ctx, "B"), "worker-B", sagaBatchSize)
+				bDone <- err
+			}()
+			if err := mustReceive(t, "worker B to finish the compensation", bDone); err != nil {
+				t.Errorf("worker B: %v", err)
+			}
+			return nil
+		})
+		if _, err := env.app.sagaOnce(withWorker(ctx, "A"), "worker-A", sagaBatchSize); err != nil {
+			t.Fatalf("worker A: %v", err)
+		}
+		env.fault.setCtx(nil)
+		if !tookOver {
+			t.Fatal("worker A never stalled in the middle of a compensation")
+		}
+		env.drain(t)
+
+		mustAudit(t, env, true)
+		if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=compensated charge_card=failed confirm=pending" {
+			t.Fatalf("saga: %s", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_type = 'OrderCancelled' AND aggregate_id = ?`, orderID); got != 1 {
+			t.Fatalf("got %d OrderCancelled events for the order, want 1", got)
 		}
 	})
 }
