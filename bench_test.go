@@ -622,7 +622,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 			}
 			if run.skus > 1 {
 				for k := range run.skus {
-					_, err := apps[0].db.Exec(`INSERT INTO stock_items (sku, available, reserved, sold, stocked) VALUES (?, ?, 0, 0, ?)`,
+					_, err := apps[0].db.Exec(`INSERT INTO stock_items (sku, available, stocked) VALUES (?, ?, ?)`,
 						"bench-sku-"+strconv.Itoa(k), b.N, b.N)
 					if err != nil {
 						b.Fatal(err)

@@ -260,7 +260,7 @@ func prepareChaosDB(ctx context.Context, path string) error {
 	// sku-rare comes with the schema; the others are the run's own.
 	for _, sku := range chaosRareSKUs[1:] {
 		_, err = app.db.ExecContext(ctx, `
-			INSERT INTO stock_items (sku, available, reserved, sold, stocked) VALUES (?, 1, 0, 0, 1)`, sku)
+			INSERT INTO stock_items (sku, available, stocked) VALUES (?, 1, 1)`, sku)
 		if err != nil {
 			return fmt.Errorf("stock %s: %w", sku, err)
 		}
@@ -863,7 +863,7 @@ func auditChaos(ctx context.Context, path string, now time.Time, orders []*chaos
 		       (SELECT COUNT(*) FROM orders WHERE status = 'paid'),
 		       (SELECT COUNT(*) FROM orders WHERE status = 'cancelled'),
 		       (SELECT COUNT(*) FROM orders WHERE status = 'refunded'),
-		       (SELECT COALESCE(SUM(sold), 0) FROM stock_items WHERE sku LIKE 'sku-rare%')`,
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations WHERE sku LIKE 'sku-rare%' AND status = 'sold')`,
 	).Scan(&report.Redeliveries, &report.BrokerDedupes, &report.InboxSkips, &report.ProcessorKeyHits,
 		&report.Paid, &report.Cancelled, &report.RefundedOrders, &report.RareSKUSold)
 }

@@ -351,7 +351,8 @@ func (d *demo) compensation(ctx context.Context) error {
 		return err
 	}
 	declinedID := orderField(declined.body, "order_id")
-	stocked := d.count(ctx, `SELECT available + reserved FROM stock_items WHERE sku = 'sku-2'`)
+	const sku2Reserved = `SELECT COALESCE(SUM(qty), 0) FROM stock_reservations WHERE sku = 'sku-2' AND status = 'reserved'`
+	stocked := d.count(ctx, `SELECT available FROM stock_items WHERE sku = 'sku-2'`) + d.count(ctx, sku2Reserved)
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
 		return err
 	}
@@ -370,7 +371,7 @@ func (d *demo) compensation(ctx context.Context) error {
 		return err
 	}
 	available := d.count(ctx, `SELECT available FROM stock_items WHERE sku = 'sku-2'`)
-	reserved := d.count(ctx, `SELECT reserved FROM stock_items WHERE sku = 'sku-2'`)
+	reserved := d.count(ctx, sku2Reserved)
 	err = d.check(available == stocked && reserved == 0, fmt.Sprintf("sku-2 stock is back: %d available, 0 reserved", stocked),
 		fmt.Sprintf("sku-2: %d available, %d reserved", available, reserved))
 	if err != nil {

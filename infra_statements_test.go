@@ -135,7 +135,7 @@ func TestStatementCache(t *testing.T) {
 	// Ensure a statement that failed (a constraint) is fit to run again.
 	t.Run("ReusableAfterAnError", func(t *testing.T) {
 		db := mustOpenSQLite(t)
-		const insert = `INSERT INTO stock_items (sku, available, reserved, stocked) VALUES (?, 1, 0, 1)`
+		const insert = `INSERT INTO stock_items (sku, available, stocked) VALUES (?, 1, 1)`
 		if _, err := db.ExecContext(ctx, insert, "sku-new"); err != nil {
 			t.Fatal(err)
 		}

@@ -146,8 +146,11 @@ var inspectedTables = []inspectedTable{
 		orderBy: `saga_id, step_index`,
 	},
 	{
-		name:    "stock_items",
-		columns: `sku, available, reserved, sold, stocked`,
+		name: "stock_items",
+		// reserved and sold are the SKU's reservations (schema version 11).
+		columns: `sku, available,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'reserved') AS reserved,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'sold') AS sold, stocked`,
 		from:    `stock_items`,
 		ofOrder: `sku IN (SELECT sku FROM stock_reservations WHERE order_id = ?)`,
 		orderBy: `sku`,

@@ -223,7 +223,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/OutOfStockCancelsWithoutCharging",
 			fault:   "review: stock is reserved while any is available, not only while the quantity ordered is (the schema's CHECK refuses the oversell, and the order never settles)",
 			edits: []mutationEdit{
-				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > 0`,\n\t\t\titem.Qty, item.Qty, item.SKU)"},
+				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > 0`,\n\t\t\titem.Qty, item.SKU)"},
 			},
 		},
 		{
@@ -527,7 +527,7 @@ func mutations() []mutation {
 			catcher: "TestHotSKUUnderConcurrentSagas",
 			fault:   "review: stock is reserved only while more is available than the order asks for, so an order for exactly what remains is refused and cancelled",
 			edits: []mutationEdit{
-				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > ?`,\n\t\t\titem.Qty, item.Qty, item.SKU, item.Qty)"},
+				{"stock.go", "WHERE sku = ? AND available >= ?`,\n\t\t\titem.Qty, item.SKU, item.Qty)", "WHERE sku = ? AND available > ?`,\n\t\t\titem.Qty, item.SKU, item.Qty)"},
 			},
 		},
 		{

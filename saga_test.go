@@ -48,10 +48,15 @@ func sagaSteps(tb testing.TB, env *testEnv, orderID string) string {
 	return string(saga.Status) + ": " + stepsLine(withPendingSteps(steps))
 }
 
-// stockOf returns "available/reserved/sold" of a sku.
+// stockOf returns "available/reserved/sold" of a sku: reserved and sold are
+// its reservations.
 func stockOf(tb testing.TB, env *testEnv, sku string) string {
 	tb.Helper()
-	return env.str(tb, `SELECT available || '/' || reserved || '/' || sold FROM stock_items WHERE sku = ?`, sku)
+	return env.str(tb, `
+		SELECT available || '/' ||
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved') || '/' ||
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'sold')
+		FROM stock_items s WHERE sku = ?`, sku)
 }
 
 // failConfirm makes the confirm step fail for a business reason, so a saga

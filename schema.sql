@@ -218,7 +218,8 @@ CREATE TABLE saga_steps (
 ) WITHOUT ROWID; -- rows are found by their key only
 
 -- stock_items is the warehouse: available + reserved + sold always equals
--- stocked.
+-- stocked. (Since version 11 reserved and sold are counted from
+-- stock_reservations instead.)
 CREATE TABLE stock_items (
     sku       TEXT PRIMARY KEY,
     available INTEGER NOT NULL CHECK (available >= 0),
@@ -444,3 +445,15 @@ CREATE TABLE relay_leases (
 );
 INSERT INTO relay_leases (name, holder, lease_token, leased_until)
 VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');
+
+-- version 11
+
+-- stock_items keeps only what is on the shelf: available, taken down when
+-- the saga reserves and put back when it releases. What is reserved and
+-- what is sold are the stock_reservations of each status, and nowhere
+-- else: a sale changes the reservation's row alone, not the SKU's row as
+-- well (one row written less per paid order, and a hot SKU's row is not
+-- locked again by the confirm). available + the SKU's reservations
+-- reserved or sold = stocked, which check reads.
+ALTER TABLE stock_items DROP COLUMN reserved;
+ALTER TABLE stock_items DROP COLUMN sold;

@@ -228,7 +228,8 @@ CREATE TABLE saga_steps (
 );
 
 -- stock_items is the warehouse: available + reserved + sold always equals
--- stocked.
+-- stocked. (Since version 11 reserved and sold are counted from
+-- stock_reservations instead.)
 CREATE TABLE stock_items (
     sku       TEXT PRIMARY KEY,
     available BIGINT NOT NULL CHECK (available >= 0),
@@ -395,3 +396,10 @@ CREATE TABLE relay_leases (
 );
 INSERT INTO relay_leases (name, holder, lease_token, leased_until)
 VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');
+
+-- version 11
+
+-- What is reserved and what is sold are the stock_reservations of each
+-- status: see version 11 of schema.sql.
+ALTER TABLE stock_items DROP COLUMN reserved;
+ALTER TABLE stock_items DROP COLUMN sold;

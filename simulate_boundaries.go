@@ -94,7 +94,7 @@ type simLastStock struct {
 func (s *simulation) stockLastSKU(ctx context.Context) error {
 	stocked := int64(2 + s.rng.IntN(3))
 	_, err := s.direct.ExecContext(ctx, `
-		INSERT INTO stock_items (sku, available, reserved, sold, stocked) VALUES (?, ?, 0, 0, ?)`,
+		INSERT INTO stock_items (sku, available, stocked) VALUES (?, ?, ?)`,
 		lastSKU, stocked, stocked)
 	if err != nil {
 		return fmt.Errorf("stock %s: %w", lastSKU, err)

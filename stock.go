@@ -1,6 +1,8 @@
 // The warehouse: stock that the saga reserves, then sells or releases. Each
 // hold is a stock_reservations row, so it moves out of "reserved" exactly
-// once: available + reserved + sold always equals stocked.
+// once. A SKU's row counts what is on the shelf (available); what is
+// reserved or sold is its reservations, so available plus the SKU's
+// reservations reserved or sold always equals stocked.
 
 package main
 
@@ -26,9 +28,9 @@ const (
 func reserveStock(ctx context.Context, tx *sql.Tx, order orderRow, now time.Time) error {
 	for _, item := range order.Items {
 		updated, err := tx.ExecContext(ctx, `
-			UPDATE stock_items SET available = available - ?, reserved = reserved + ?
+			UPDATE stock_items SET available = available - ?
 			WHERE sku = ? AND available >= ?`,
-			item.Qty, item.Qty, item.SKU, item.Qty)
+			item.Qty, item.SKU, item.Qty)
 		if err != nil {
 			return fmt.Errorf("reserve %s: %w", item.SKU, err)
 		}
@@ -51,15 +53,12 @@ func reserveStock(ctx context.Context, tx *sql.Tx, order orderRow, now time.Time
 }
 
 // settleReservations moves every hold of an order that is still reserved to
-// to (sold or released), and the stock counts with it. Holds already settled
-// are left alone.
+// to (sold or released); a release puts the stock back on the shelf, a sale
+// writes nothing more (sold stock is its reservation's row). Holds already
+// settled are left alone.
 func settleReservations(ctx context.Context, tx *sql.Tx, orderID string, to reservationStatus, now time.Time) error {
-	var column string
 	switch to {
-	case stockSold:
-		column = "sold"
-	case stockReleased:
-		column = "available"
+	case stockSold, stockReleased:
 	default:
 		return fmt.Errorf("bug: unhandled reservation status %q", to)
 	}
@@ -89,11 +88,11 @@ func settleReservations(ctx context.Context, tx *sql.Tx, orderID string, to rese
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("settle reservations of %s: %w", orderID, err)
 	}
+	if to == stockSold {
+		return nil
+	}
 	for _, h := range holds {
-		// column is one of two constants above, never input.
-		_, err := tx.ExecContext(ctx,
-			`UPDATE stock_items SET reserved = reserved - ?, `+column+` = `+column+` + ? WHERE sku = ?`,
-			h.qty, h.qty, h.sku)
+		_, err := tx.ExecContext(ctx, `UPDATE stock_items SET available = available + ? WHERE sku = ?`, h.qty, h.sku)
 		if err != nil {
 			return fmt.Errorf("settle %s: %w", h.sku, err)
 		}
