@@ -8,7 +8,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -271,21 +270,16 @@ func dumpTable(ctx context.Context, db *sql.DB, query string, args ...any) (tabl
 }
 
 // inspect writes every inspected table to w, as aligned text or JSON.
-// Returns an error wrapping errNoSuchOrder if opts.orderID names no order.
+// opts.orderID may be the start of the id, as the demo prints it
+// (resolveOrderID). Returns an error wrapping errNoSuchOrder if
+// opts.orderID names no order, errAmbiguousOrder if several.
 func inspect(ctx context.Context, db *sql.DB, w io.Writer, opts inspectOptions) error {
 	if opts.orderID != "" {
-		if !storableText(opts.orderID) {
-			// No order has it, and PostgreSQL would refuse it in the query.
-			return fmt.Errorf("order %s: %w", terminalSafe(opts.orderID), errNoSuchOrder)
-		}
-		var one int
-		err := db.QueryRowContext(ctx, `SELECT 1 FROM orders WHERE order_id = ?`, opts.orderID).Scan(&one)
-		if errors.Is(err, sql.ErrNoRows) {
-			return fmt.Errorf("order %s: %w", opts.orderID, errNoSuchOrder)
-		}
+		orderID, err := resolveOrderID(ctx, db, opts.orderID)
 		if err != nil {
-			return fmt.Errorf("read order: %w", err)
+			return fmt.Errorf("order %s: %w", terminalSafe(opts.orderID), err)
 		}
+		opts.orderID = orderID
 	}
 	dumps := map[string]tableDump{}
 	for _, table := range inspectedTables {

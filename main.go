@@ -771,10 +771,7 @@ func newInspectCommand() *cobra.Command {
 				opts.view = inspectJSON
 			}
 			err = inspect(cmd.Context(), db, cmd.OutOrStdout(), opts)
-			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(orderID), redactURL(dbPath), redactURL(dbPath))
-			}
-			return err
+			return orderNotFound(err, orderID, dbPath)
 		},
 	}
 	cmd.Flags().StringVar(&dbPath, "db", "retrysafe.db", "SQLite file or postgres:// URL")
@@ -782,6 +779,19 @@ func newInspectCommand() *cobra.Command {
 	cmd.Flags().BoolVar(&wide, "wide", false, "print every column and whole ids, however wide the lines")
 	cmd.Flags().StringVar(&orderID, "order", "", "print only this order's rows (ORDER_ID as in the orders table)")
 	return cmd
+}
+
+// orderNotFound says what to do when err is that orderID, given on the
+// command line for the database at dbPath, names no order or several; any
+// other err is returned as it is.
+func orderNotFound(err error, orderID, dbPath string) error {
+	switch {
+	case errors.Is(err, errNoSuchOrder):
+		return fmt.Errorf("no order %s in %s; 'go run . inspect --db %s' lists the orders", terminalSafe(orderID), redactURL(dbPath), redactURL(dbPath))
+	case errors.Is(err, errAmbiguousOrder):
+		return fmt.Errorf("%s in %s: %w", terminalSafe(orderID), redactURL(dbPath), errAmbiguousOrder)
+	}
+	return err
 }
 
 // newTraceCommand builds "retrysafe trace".
@@ -809,11 +819,8 @@ func newTraceCommand() *cobra.Command {
 			}
 			defer db.Close()
 			t, err := traceOrder(cmd.Context(), db, args[0])
-			if errors.Is(err, errNoSuchOrder) {
-				return fmt.Errorf("no order %s in %s; 'retrysafe inspect --db %s' lists the orders", terminalSafe(args[0]), redactURL(dbPath), redactURL(dbPath))
-			}
 			if err != nil {
-				return err
+				return orderNotFound(err, args[0], dbPath)
 			}
 			switch {
 			case mermaid && svg:

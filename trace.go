@@ -93,18 +93,62 @@ func traceText(format string, args ...any) string {
 // the database.
 var errNoSuchOrder = errors.New("no such order")
 
-// traceOrder reads every row about orderID and returns them in time order.
-// Returns errNoSuchOrder if the order does not exist.
-func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, error) {
-	if !storableText(orderID) {
+// errAmbiguousOrder is returned by resolveOrderID for the start of an id
+// that more than one order's id begins with.
+var errAmbiguousOrder = errors.New("more than one order's id begins with it; give more of the id")
+
+// resolveOrderID returns the order id that id is, or begins: the demo and
+// trace print ids shortened ("ord_da217ec1"), and a reader copies those.
+// Returns errNoSuchOrder if no order's id is or begins with id, and
+// errAmbiguousOrder if several begin with it.
+func resolveOrderID(ctx context.Context, db *sql.DB, id string) (string, error) {
+	if id == "" || !storableText(id) {
 		// No order has it, and PostgreSQL would refuse it in the query.
-		return nil, errNoSuchOrder
+		return "", errNoSuchOrder
+	}
+	// substr, not LIKE: an id's "_" would be a LIKE wildcard. An exact id
+	// comes first.
+	rows, err := db.QueryContext(ctx, `
+		SELECT order_id FROM orders WHERE substr(order_id, 1, ?) = ?
+		ORDER BY CASE WHEN order_id = ? THEN 0 ELSE 1 END, order_id LIMIT 2`, len(id), id, id)
+	if err != nil {
+		return "", fmt.Errorf("read order: %w", err)
+	}
+	defer rows.Close()
+	var found []string
+	for rows.Next() {
+		var orderID string
+		if err := rows.Scan(&orderID); err != nil {
+			return "", fmt.Errorf("read order: %w", err)
+		}
+		found = append(found, orderID)
+	}
+	if err := rows.Err(); err != nil {
+		return "", fmt.Errorf("read order: %w", err)
+	}
+	switch {
+	case len(found) == 0:
+		return "", errNoSuchOrder
+	case found[0] == id || len(found) == 1:
+		return found[0], nil
+	default:
+		return "", errAmbiguousOrder
+	}
+}
+
+// traceOrder reads every row about the order whose id is, or begins with,
+// orderID (resolveOrderID) and returns them in time order. Returns
+// errNoSuchOrder if there is no such order, errAmbiguousOrder if several.
+func traceOrder(ctx context.Context, db *sql.DB, orderID string) (*orderTrace, error) {
+	orderID, err := resolveOrderID(ctx, db, orderID)
+	if err != nil {
+		return nil, err
 	}
 	t := &orderTrace{orderID: orderID}
 	var userID, currency, paymentMethod, status, createdAt, updatedAt string
 	var amount, refunded int64
 	var key, chargeID, cancelReason sql.NullString
-	err := db.QueryRowContext(ctx, `
+	err = db.QueryRowContext(ctx, `
 		SELECT user_id, amount_cents, currency, payment_method, status, idempotency_key,
 		       charge_id, refunded_cents, cancel_reason, created_at, updated_at
 		FROM orders WHERE order_id = ?`, orderID).Scan(

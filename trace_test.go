@@ -251,6 +251,30 @@ func TestTrace(t *testing.T) {
 		}
 	})
 
+	// Ensure an id as the demo prints it, its first 12 characters, traces
+	// the order it begins (and inspect --order shows it); a start that
+	// several orders' ids share is refused, naming the problem.
+	t.Run("ShortIDAsTheDemoPrintsIt", func(t *testing.T) {
+		full, err := runTraceCLI(t, "trace", "--db", path, orderIDs[0])
+		if err != nil {
+			t.Fatalf("trace: %v\n%s", err, full)
+		}
+		short, err := runTraceCLI(t, "trace", "--db", path, shortID(orderIDs[0]))
+		if err != nil || short != full {
+			t.Fatalf("trace %s: %v\n%s\nwant the trace of %s:\n%s", shortID(orderIDs[0]), err, short, orderIDs[0], full)
+		}
+		inspected, err := runTraceCLI(t, "inspect", "--db", path, "--order", shortID(orderIDs[1]), "--json")
+		if err != nil || !strings.Contains(inspected, orderIDs[1]) || strings.Contains(inspected, orderIDs[0]) {
+			t.Fatalf("inspect --order %s: %v\n%s", shortID(orderIDs[1]), err, inspected)
+		}
+		for _, args := range [][]string{{"trace", "--db", path, "ord_"}, {"inspect", "--db", path, "--order", "ord_"}} {
+			out, err := runTraceCLI(t, args...)
+			if err == nil || !strings.Contains(out, "more than one order's id begins with it") {
+				t.Errorf("%v: got %v\n%s\nwant an error saying the id is ambiguous", args, err, out)
+			}
+		}
+	})
+
 	// Ensure trace reads only: the file is the same after it.
 	t.Run("ReadsOnly", func(t *testing.T) {
 		if onPostgres() {
@@ -373,7 +397,7 @@ func TestDocsDiagram(t *testing.T) {
 	updated := string(readme[:m[4]]) + diagram + string(readme[m[5]:])
 	// docs/inspect-and-trace.md's trace commands name the same order, so they work as
 	// written.
-	updated = readmeTraceCommand.ReplaceAllString(updated, "${1}"+orderIDs[0])
+	updated = readmeTraceCommand.ReplaceAllString(updated, "${1}"+shortID(orderIDs[0]))
 	if updated == string(readme) {
 		return
 	}
