@@ -396,13 +396,7 @@ func (d *demo) compensation(ctx context.Context) error {
 // the first request reached.
 func (d *demo) refund(ctx context.Context, orderID string) error {
 	d.title("The customer asks for a refund of the first order; the processor's answer is lost, and the client retries")
-	d.mu.Lock()
-	d.dropAt = faultProcessorLoseResponse
-	d.mu.Unlock()
-	lost, err := d.post(ctx, refundPath(orderID), demoRefundKey, demoRefundBody)
-	d.mu.Lock()
-	d.dropAt = ""
-	d.mu.Unlock()
+	lost, err := d.postDroppingAt(ctx, faultProcessorLoseResponse, refundPath(orderID), demoRefundKey, demoRefundBody)
 	if err != nil {
 		return err
 	}
@@ -517,13 +511,7 @@ func (d *demo) droppedConnection(ctx context.Context) error {
 	d.title("The database connection drops in the middle of a request; the retry goes through")
 	// A second later, so that a timeline keeps the steps apart.
 	d.clock.advance(time.Second)
-	d.mu.Lock()
-	d.dropAt = faultAfterBusinessWrite
-	d.mu.Unlock()
-	dropped, err := d.post(ctx, "/api/orders", demoDroppedKey, demoDroppedBody)
-	d.mu.Lock()
-	d.dropAt = ""
-	d.mu.Unlock()
+	dropped, err := d.postDroppingAt(ctx, faultAfterBusinessWrite, "/api/orders", demoDroppedKey, demoDroppedBody)
 	if err != nil {
 		return err
 	}

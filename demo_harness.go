@@ -241,6 +241,22 @@ func (d *demo) runWithout(ctx context.Context) error {
 	return fmt.Errorf("without the %s layer: %d check(s) and table row(s) failed, %d invariant(s) broken", d.without, len(d.failed), broken)
 }
 
+// postDroppingAt is post, with the request's first pass through point
+// failing as a dropped connection (d.dropAt): at a database fault point the
+// database connection drops, at faultProcessorLoseResponse the processor's
+// answer is lost on the way back.
+func (d *demo) postDroppingAt(ctx context.Context, point faultPoint, path, idempotencyKey, body string) (httpResult, error) {
+	d.mu.Lock()
+	d.dropAt = point
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		d.dropAt = ""
+		d.mu.Unlock()
+	}()
+	return d.post(ctx, path, idempotencyKey, body)
+}
+
 // requestFault is the part of the demo's fault hook that the server's
 // goroutines reach: a dropped connection or a hold at d.dropAt, d.holdAt.
 func (d *demo) requestFault(point faultPoint) error {
