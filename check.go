@@ -58,10 +58,12 @@ func invariants(d *dialect) []invariant {
 		SELECT e.event_type || ' ' || e.event_id || ' of ' || e.aggregate_id || ' was published at ' || COALESCE(e.published_at, '?') ||
 		       ' and ' || s.consumer || ' has not applied it (republished ' || e.republishes || ' times)'
 		FROM outbox_events e JOIN ` + subscriptionsTable(deliveryTargets()) + ` s ON s.subject = e.event_type
-		-- The events in flight only (outbox_events_undelivered): one the
-		-- reconciler marked delivered had every inbox row then.
-		WHERE e.status = 'published' AND e.delivered_at IS NULL
-		  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id)`
+		WHERE NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id)`
+	// The events in flight only (outbox_events_delivery): the reconciler's
+	// cursor passes an event once it has every inbox row, and the next
+	// invariant says it did.
+	inFlight := `
+		  AND e.delivery_position >= ` + deliveryCursor
 	return []invariant{
 		{name: "an idempotency key maps to at most one order", query: `
 			SELECT a.user_id || ' key ' || a.idempotency_key || ' made orders ' || a.order_id || ' and ' || b.order_id
@@ -235,9 +237,14 @@ func invariants(d *dialect) []invariant {
 			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id
 			WHERE NOT ((s.status = 'completed' AND o.status IN ('paid', 'refunded'))
 			        OR (s.status = 'compensated' AND o.status = 'cancelled'))`},
-		{name: undeliveredInvariant, publishedBefore: true, query: missingInbox + `
+		{name: undeliveredInvariant, publishedBefore: true, query: missingInbox + inFlight + `
 		  AND e.published_at <= ?`},
-		{name: "once quiet, every published event is applied by each consumer of its subject", settledOnly: true, query: missingInbox},
+		{name: "once quiet, every published event is applied by each consumer of its subject", settledOnly: true, query: missingInbox + inFlight},
+		// Since the event was written, no inbox row of it can be older
+		// than the retention cleanup deletes at: every row it lacks was
+		// never there.
+		{name: "the reconciler's cursor has passed only events every consumer applied", sinceRecent: true, query: missingInbox + `
+		  AND e.delivery_position < ` + deliveryCursor + ` AND e.created_at > ?`},
 		{name: "once quiet, no event is left unpublished", settledOnly: true, query: `
 			SELECT event_type || ' ' || event_id || ' is ' || status FROM outbox_events WHERE status <> 'published'`},
 		{name: "once quiet, no delivery is left unacked", settledOnly: true, query: `

@@ -37,10 +37,11 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 	var result cleanupResult
 	now := a.now()
 	retainedSince := formatTime(now.Add(-messageRetention))
-	// The inbox rows deleted below are the only proof that an event was
-	// delivered: record it first (deliver.go), or check would report an
-	// event applied a week ago as undelivered, and cleanup keep it.
-	if err := a.markDelivered(ctx); err != nil {
+	// An event's inbox rows are the proof that it was delivered until the
+	// reconciler's cursor passes it (deliver.go); below, cleanup deletes
+	// only the rows of events the cursor has passed. Move it first, so
+	// that what was delivered since the last sweep counts.
+	if err := a.advanceDeliveryCursor(ctx); err != nil {
 		return result, err
 	}
 	var err error
@@ -57,7 +58,7 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 			-- Never one that a consumer has not applied (check keeps
 			-- reporting it until an operator sees why), nor one that a
 			-- consumer holds as poison (the operator's replay needs it).
-			WHERE status = 'published' AND delivered_at IS NOT NULL AND published_at <= ?
+			WHERE status = 'published' AND delivery_position < `+deliveryCursor+` AND published_at <= ?
 			  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id AND i.status = 'poison')
 			LIMIT ?)`, retainedSince)
 	if err != nil {
@@ -95,9 +96,11 @@ func (a *App) cleanupOnce(ctx context.Context) (cleanupResult, error) {
 			  AND NOT EXISTS (
 			    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq
 			    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')
-			  -- Nor while its event is not delivered to every consumer: the
-			  -- reconciler's copy must be a duplicate to this one.
-			  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = i.message_id AND e.delivered_at IS NULL)
+			  -- Nor while the reconciler's cursor has not passed its event:
+			  -- the row is what says the event is delivered, and what
+			  -- makes the reconciler's copy a duplicate.
+			  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = i.message_id
+			                    AND (e.delivery_position IS NULL OR e.delivery_position >= `+deliveryCursor+`))
 			LIMIT ?2)`, retainedSince)
 	if err != nil {
 		return result, fmt.Errorf("delete old inbox rows: %w", err)

@@ -7,13 +7,20 @@
 // the order it announced stays created for ever.
 //
 // An event is delivered when every consumer that subscribes to its subject
-// has its inbox row. The reconciler, part of the relay, marks delivered
-// events, and publishes again, under the same message id, every event
-// published longer than deliveryBound ago that is still not delivered:
-// every inbox absorbs the copy where the original did arrive (and the
-// embedded broker's dedupe before them). It claims what it republishes under a lease, fenced like the
-// relay's.
+// has its inbox row. Nothing marks it: the inbox rows say it. The
+// reconciler, part of the relay, publishes again, under the same message
+// id, every event published longer than deliveryBound ago that is still
+// not delivered: every inbox absorbs the copy where the original did
+// arrive (and the embedded broker's dedupe before them). It claims what it
+// republishes under a lease, fenced like the relay's.
 //
+// To read only the events in flight, however long the history, it keeps
+// a cursor (delivery_cursor): every publish stamps its event with a
+// position (delivery_position) that no cursor has passed yet, and the
+// reconciler moves the cursor up to the first event, from the cursor on,
+// that a consumer lacks. Events below the cursor are delivered for good.
+// One row written per sweep, where a mark per event was two per order.
+
 // Its limit: it reads the consumers' inboxes, so it works where they share
 // the outbox's database. Where each consumer owns its database, the
 // consumer has to notice the gap itself (docs/postgres-nats.md).
@@ -77,12 +84,11 @@ func undeliveredSQL(targets []deliveryTarget) string {
 		  AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.consumer = s.consumer AND i.message_id = e.event_id))`
 }
 
-// reconcileOnce is one sweep of the reconciler: it marks delivered the
-// published events that every consumer of their subject has applied, then
-// claims up to limit events published (or last republished) more than
-// leases.deliver ago that are still not delivered, publishes them again
-// under their event id, and records that. It returns how many it
-// republished.
+// reconcileOnce is one sweep of the reconciler: it moves the delivery
+// cursor past the events delivered, then claims up to limit events
+// published (or last republished) more than leases.deliver ago that are
+// still not delivered, publishes them again under their event id, and
+// records that. It returns how many it republished.
 //
 // The claim is the relay's lease on the event (claimed_by, claimed_until,
 // and lease_token, the fencing token): two relays sweeping together never
@@ -90,10 +96,10 @@ func undeliveredSQL(targets []deliveryTarget) string {
 // finds its record refused (recordRepublished) once another relay has
 // claimed the event since. Its copy went out anyway, which is harmless:
 // the same message id, absorbed like every copy. However old the event,
-// the copy is harmless: cleanup keeps the inbox rows of an event that is
-// not delivered.
+// the copy is harmless: cleanup keeps the inbox rows of an event that the
+// cursor has not passed.
 func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int, error) {
-	if err := a.markDelivered(ctx); err != nil {
+	if err := a.advanceDeliveryCursor(ctx); err != nil {
 		return 0, err
 	}
 	events, err := a.claimUndelivered(ctx, relayID, limit)
@@ -127,67 +133,50 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 	return n, err
 }
 
-// markDelivered sets delivered_at on every published event that each
-// consumer of its subject has applied. It reads only the events in flight
-// (the outbox_events_undelivered index), however long the history.
+// deliveryCursor is the reconciler's cursor, as a scalar subquery: every
+// published event whose delivery_position is below it is delivered.
+const deliveryCursor = `(SELECT position FROM delivery_cursor WHERE name = 'outbox')`
+
+// advanceDeliveryCursor moves the delivery cursor up to the first event,
+// from the cursor on, that a consumer of its subject has not applied; if
+// there is none, up to the horizon (dialect.deliveryHorizon): the events
+// it passes are delivered for good, and no sweep reads them again. It
+// reads only the events from the cursor on (the outbox_events_delivery
+// index), however long the history, and writes one row, only when the
+// cursor moves.
 //
-// It is not fenced, and needs no lease: it writes a fact that the inbox
-// rows make true, and writes it only once (delivered_at IS NULL). Two
-// relays marking together mark the same.
-//
-// It takes two statements where one would do on SQLite: the first locks
-// the events that look delivered, the second marks those that still are,
-// reading the inbox afresh. On PostgreSQL, under READ COMMITTED, a
-// statement reads every table as of its start but updates the latest
-// version of each row it locks: a single UPDATE that read a poison row
-// while an inbox replay was deleting it, then waited for the replay's lock
-// on the event, marked the replayed event delivered once the replay
-// committed, though no consumer had applied the replay (a lost replay was
-// then never published again). The second statement starts after the
-// locks are granted, so it sees what a replay that held one committed; a
-// replay that comes after the lock waits for it, then fails to serialize
-// and runs again.
-func (a *App) markDelivered(ctx context.Context) error {
-	now := formatTime(a.now())
-	err := withClaimTx(ctx, a.db, func(tx *sql.Tx) error {
-		rows, err := tx.QueryContext(ctx, `
-			SELECT e.seq FROM outbox_events e
-			WHERE e.status = 'published' AND e.delivered_at IS NULL
-			  AND NOT `+undeliveredSQL(a.deliveryTargets)+`
-			LIMIT ? `+skipLocked(a.db),
-			markDeliveredBatch)
-		if err != nil {
-			return err
-		}
-		var seqs []any
-		for rows.Next() {
-			var seq int64
-			if err := rows.Scan(&seq); err != nil {
-				rows.Close()
-				return err
-			}
-			seqs = append(seqs, seq)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil || len(seqs) == 0 {
-			return err
-		}
-		_, err = tx.ExecContext(ctx, `
-			UPDATE outbox_events AS e SET delivered_at = ?
-			WHERE e.seq IN (`+placeholders(len(seqs))+`) AND e.delivered_at IS NULL
-			  AND NOT `+undeliveredSQL(a.deliveryTargets),
-			append([]any{now}, seqs...)...)
-		return err
-	})
+// It needs no lease and no fence: the position it computes is true of the
+// snapshot its one SELECT reads, and stays true. Below the horizon every
+// publish that will commit is in that snapshot; a publish after it stamps a
+// position at or above the horizon (dialect.deliveryPosition); an inbox
+// row is deleted only by cleanup, of an event the cursor has passed, and by
+// an operator's inbox replay, which stamps the event again. Two
+// reconcilers moving the cursor at once each write a true position; the
+// UPDATE only moves it up.
+func (a *App) advanceDeliveryCursor(ctx context.Context) error {
+	d := dialectOf(a.db)
+	var cursor, next int64
+	err := a.db.QueryRowContext(ctx, `
+		SELECT c.position, COALESCE(
+			(SELECT e.delivery_position FROM outbox_events e
+			 WHERE e.delivery_position >= c.position AND e.delivery_position < h.horizon
+			   AND `+undeliveredSQL(a.deliveryTargets)+`
+			 ORDER BY e.delivery_position LIMIT 1),
+			h.horizon)
+		FROM delivery_cursor c, (SELECT `+d.deliveryHorizon+` AS horizon) h
+		WHERE c.name = 'outbox'`).Scan(&cursor, &next)
 	if err != nil {
-		return fmt.Errorf("mark delivered events: %w", err)
+		return fmt.Errorf("read the delivery cursor: %w", err)
+	}
+	if next <= cursor {
+		return nil
+	}
+	_, err = a.db.ExecContext(ctx, `UPDATE delivery_cursor SET position = ? WHERE name = 'outbox' AND position < ?`, next, next)
+	if err != nil {
+		return fmt.Errorf("move the delivery cursor: %w", err)
 	}
 	return nil
 }
-
-// markDeliveredBatch bounds how many events one sweep marks delivered: the
-// rest wait for the next sweep, a relay's pass later.
-const markDeliveredBatch = 1000
 
 // claimUndelivered leases to relayID up to limit published events, not
 // delivered, whose last publish is more than leases.deliver ago, and not
@@ -203,7 +192,7 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 			SET claimed_by = ?, claimed_until = ?, lease_token = lease_token + 1
 			WHERE seq IN (
 				SELECT e.seq FROM outbox_events e
-				WHERE e.status = 'published' AND e.delivered_at IS NULL
+				WHERE e.delivery_position >= `+deliveryCursor+`
 				  -- Past the bound since the last publish: a consumer that is
 				  -- merely behind gets no copy. The last publish is the
 				  -- later of the relay's or a replay's (published_at) and
@@ -214,7 +203,7 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 				  AND `+undeliveredSQL(a.deliveryTargets)+`
 				-- The index's order: ORDER BY seq made SQLite read the
 				-- whole table, in seq order, instead of the index.
-				ORDER BY e.published_at, e.seq
+				ORDER BY e.delivery_position
 				LIMIT ? `+skipLocked(a.db)+`)
 			RETURNING seq, event_id, event_type, aggregate_id, payload, republishes, lease_token, traceparent, tracestate`,
 			relayID, formatTime(now.Add(a.leases.relay)),

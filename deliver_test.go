@@ -44,8 +44,8 @@ func TestDelivery(t *testing.T) {
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
 			t.Fatalf("got %d charges, want 1", got)
 		}
-		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE delivered_at IS NULL`); got != 0 {
-			t.Fatalf("got %d events not marked delivered, want 0", got)
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE delivery_position >= `+deliveryCursor); got != 0 {
+			t.Fatalf("the reconciler's cursor has not passed %d events, want 0", got)
 		}
 		mustAudit(t, env, true)
 	})
@@ -135,7 +135,7 @@ func TestDelivery(t *testing.T) {
 				t.Errorf("trace does not say %q:\n%s", want, traced)
 			}
 		}
-		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+done\s+1\s+20`).MatchString(inspected) {
+		if !regexp.MustCompile(`OrderCreated\s+` + paymentServiceConsumer + `\s+published\s+done\s+1\s+\d+\s+yes`).MatchString(inspected) {
 			t.Errorf("inspect does not show the OrderCreated applied by %s after one republish:\n%s", paymentServiceConsumer, inspected)
 		}
 	})
@@ -232,16 +232,51 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
-	// Ensure an event marked delivered because its consumer recorded it
-	// poison is watched again once an operator replays it: a replay the
+	// Ensure an event published after cleanup deleted every event the
+	// cursor had passed still gets a position the cursor has not passed:
+	// stamped below it, the reconciler would never read it again, and a
+	// message the broker lost would never be published again.
+	t.Run("EventAfterCleanupEmptiedTheOutboxIsWatched", func(t *testing.T) {
+		env := MustOpenApp(t)
+		createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		env.clock.advance(messageRetention + time.Hour)
+		if _, err := env.app.cleanupOnce(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events`); got != 0 {
+			t.Fatalf("cleanup kept %d events, want 0", got)
+		}
+		order := orderField(mustCreateOrder(t, env, "user-42", "k2", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if lost, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil || len(lost) != 1 {
+			t.Fatalf("lost %v, %v, want the OrderCreated", lost, err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("the reconciler republished %d, %v, want the OrderCreated the broker lost", n, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "paid" {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		mustAudit(t, env, true)
+	})
+
+	// Ensure an event delivered because its consumer recorded it poison
+	// (the cursor passed it) is watched again once an operator replays it: a replay the
 	// broker loses is published again (simulator seed 176 of the second
 	// consumer: the ledger never booked the order).
 	t.Run("ReplayTheBrokerLostIsRepublished", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
 		eventID := poisonForPaymentService(t, env)
-		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_id = ? AND delivered_at IS NOT NULL`, eventID); got != 1 {
-			t.Fatalf("the poison record marked %d events delivered, want 1", got)
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE event_id = ? AND delivery_position < `+deliveryCursor, eventID); got != 1 {
+			t.Fatalf("the reconciler's cursor passed %d poison events, want 1", got)
 		}
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{AllPoison: true}); err != nil {
 			t.Fatal(err)
@@ -452,14 +487,13 @@ func TestDelivery(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
-	// Ensure cleanup records an event's delivery before it deletes the
-	// inbox rows that prove it: without, an event applied a week ago, whose
-	// delivery no sweep had recorded, was reported undelivered for ever and
-	// kept.
-	t.Run("CleanupRecordsDeliveryBeforeDeletingItsProof", func(t *testing.T) {
+	// Ensure cleanup moves the reconciler's cursor before it deletes: an
+	// event applied a week ago, which no sweep had passed since, is
+	// deleted with its inbox rows, not kept for ever.
+	t.Run("CleanupMovesTheCursorFirst", func(t *testing.T) {
 		env := MustOpenApp(t)
 		createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
-		if _, err := env.app.db.Exec(`UPDATE outbox_events SET delivered_at = NULL`); err != nil {
+		if _, err := env.app.db.Exec(`UPDATE delivery_cursor SET position = 0`); err != nil {
 			t.Fatal(err)
 		}
 		env.clock.advance(messageRetention + time.Hour)

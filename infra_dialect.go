@@ -97,6 +97,23 @@ type dialect struct {
 	// needs none: one writer at a time.
 	forShare string
 
+	// deliveryPosition is what a publish writes into an event's
+	// delivery_position (markPublished, an inbox replay): a number no
+	// reconciler's cursor can have passed yet (deliver.go). SQLite: one
+	// more than the largest so far; one writer at a time, so positions
+	// grow in the order their writes commit. PostgreSQL: the writing
+	// transaction's id. Transactions there commit in another order than
+	// they take ids, which deliveryHorizon answers.
+	deliveryPosition string
+	// deliveryHorizon is, in the statement that reads it, a position below
+	// which every publish that will ever commit is already visible: the
+	// reconciler's cursor never passes it. SQLite: one more than the
+	// largest position in the statement's snapshot (any later write comes
+	// after it, and stamps at least that). PostgreSQL: the oldest transaction id still running when
+	// the statement's snapshot was taken (its xmin); every transaction
+	// below it has ended, and every later one takes a larger id.
+	deliveryHorizon string
+
 	// readVersion returns the schema version a database is at, 0 for a new
 	// one. SQLite keeps it in the file header (PRAGMA user_version);
 	// PostgreSQL has nothing like it, so it is a table.
@@ -150,6 +167,8 @@ func sqliteDialect() *dialect {
 		retryTx:          func(error) bool { return false },
 		skipLocked:       "",
 		forShare:         "",
+		deliveryPosition: sqliteNextPosition,
+		deliveryHorizon:  sqliteNextPosition,
 		readVersion:      `PRAGMA user_version`,
 		migrateTxOptions: nil,
 		setVersion:       func(version int) string { return fmt.Sprintf(`PRAGMA user_version = %d`, version) },
@@ -161,6 +180,15 @@ func sqliteDialect() *dialect {
 		isInteger:       func(column string) string { return fmt.Sprintf(`typeof(%s) = 'integer'`, column) },
 	}
 }
+
+// sqliteNextPosition is one more than the largest delivery position (read
+// off the end of outbox_events_delivery: without IS NOT NULL, SQLite reads
+// the whole table), and never below the cursor: cleanup deletes the oldest events, and once it
+// has deleted every one below the cursor the largest left can be smaller
+// than the cursor; a position stamped there would never be read.
+const sqliteNextPosition = `MAX(
+	COALESCE((SELECT MAX(delivery_position) FROM outbox_events WHERE delivery_position IS NOT NULL), 0) + 1,
+	(SELECT position FROM delivery_cursor WHERE name = 'outbox'))`
 
 // postgresMigrationLock is the advisory lock key migrations hold: any
 // constant that no other program on the database uses.
@@ -182,6 +210,8 @@ func postgresDialect() *dialect {
 		},
 		skipLocked:       "FOR UPDATE SKIP LOCKED",
 		forShare:         "FOR SHARE",
+		deliveryPosition: `pg_current_xact_id()::text::bigint`,
+		deliveryHorizon:  `pg_snapshot_xmin(pg_current_snapshot())::text::bigint`,
 		readVersion:      `SELECT COALESCE(MAX(version), 0) FROM schema_migrations`,
 		migrateTxOptions: &sql.TxOptions{Isolation: sql.LevelReadCommitted},
 		prepareMigration: []string{

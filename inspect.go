@@ -40,6 +40,10 @@ type inspectedTable struct {
 // messages and the inbox's rows carry the event id as their message id.
 const eventsOfOrder = `(SELECT event_id FROM outbox_events WHERE aggregate_id = ?)`
 
+// cursorPassed says, of the outbox event e, whether the reconciler's
+// cursor has passed it: delivered for good (deliver.go).
+const cursorPassed = `CASE WHEN e.delivery_position < ` + deliveryCursor + ` THEN 'yes' ELSE 'no' END`
+
 // deliveredByBroker is how many times the embedded broker delivered an
 // inbox row's message to its consumer. The inbox applies a message once and
 // skips every later delivery, so the two counts side by side are the
@@ -90,9 +94,11 @@ var inspectedTables = []inspectedTable{
 		// Not a table: each event beside each consumer that must apply
 		// it (deliveryTargets), and whether that consumer's inbox has it.
 		// An event is delivered when every one has (deliver.go).
-		name:    "event_deliveries",
-		columns: `e.event_id, e.event_type, s.consumer, e.status, COALESCE(i.status, 'missing') AS inbox, e.republishes, e.delivered_at`,
-		brief:   `e.event_id, e.event_type, s.consumer, COALESCE(i.status, 'missing') AS inbox, e.republishes AS republished, e.delivered_at`,
+		name: "event_deliveries",
+		// passed: the reconciler's cursor has passed the event, which is
+		// delivered for good, inbox rows or not.
+		columns: `e.event_id, e.event_type, s.consumer, e.status, COALESCE(i.status, 'missing') AS inbox, e.republishes, e.delivery_position, ` + cursorPassed + ` AS passed`,
+		brief:   `e.event_id, e.event_type, s.consumer, COALESCE(i.status, 'missing') AS inbox, e.republishes AS republished, ` + cursorPassed + ` AS passed`,
 		from: `outbox_events e JOIN ` + subscriptionsTable(deliveryTargets()) + ` s ON s.subject = e.event_type
 			LEFT JOIN inbox_messages i ON i.consumer = s.consumer AND i.message_id = e.event_id`,
 		ofOrder: `e.aggregate_id = ?`,

@@ -860,7 +860,7 @@ func buildIsoFixture(t *testing.T, base string) isoFixture {
 	// A week and a day ago: an order that settled (cleanup deletes its
 	// key, events, deliveries and inbox rows now), and an OrderCreated
 	// that the payment service recorded as poison, which the ledger
-	// applied and the reconciler marked delivered: a replay of it races
+	// applied and the reconciler's cursor passed: a replay of it races
 	// cleanup's delete of the ledger's week-old row.
 	createAndDrain(t, env, "iso-old", orderBody(900, "sku-1", 1, pmCardVisa))
 	create("iso-poison-old", orderBody(1100, "sku-1", 1, pmCardVisa))
@@ -1117,11 +1117,9 @@ func waitingStatement(ctx context.Context, admin *sql.DB, name string) (string, 
 // rows another holds are that one's to work on), and would line every
 // worker up behind the slowest transaction; so a claim seen waiting on a
 // lock is an error. Each is found by a piece of its statement that stays
-// when the clause is lost: how it begins (claimUndelivered's sub-SELECT
-// begins as markDelivered's statement does).
+// when the clause is lost: how it begins.
 var isoClaims = map[string]*regexp.Regexp{
 	"claimUndelivered": regexp.MustCompile(`^\s*UPDATE outbox_events\s+SET claimed_by`),
-	"markDelivered":    regexp.MustCompile(`^\s*SELECT e\.seq FROM outbox_events e\s+WHERE e\.status = 'published' AND e\.delivered_at IS NULL`),
 	"fetch":            regexp.MustCompile(`^\s*UPDATE broker_deliveries\s+SET delivery_count`),
 	"claimSagas":       regexp.MustCompile(`^\s*SELECT saga_id, lease_token FROM saga_instances`),
 }
@@ -1236,7 +1234,7 @@ func (s *isoSlot) oracle(ctx context.Context, settled bool) error {
 	if settled {
 		queries = append(queries, []struct{ what, query string }{
 			{"applied more than once by " + isoLedger, `SELECT message_id || ' ' || applications || ' times' FROM iso_applied WHERE applications > 1`},
-			{"never applied by " + isoLedger, `SELECT event_type || ' ' || event_id || ' of ' || aggregate_id || ' (' || status || ', delivered ' || COALESCE(delivered_at, 'no') || ', inbox row ' || COALESCE((SELECT status FROM inbox_messages i WHERE i.consumer = 'iso-ledger' AND i.message_id = e.event_id), 'none') || ')' FROM outbox_events e WHERE NOT EXISTS (SELECT 1 FROM iso_applied a WHERE a.message_id = e.event_id)`},
+			{"never applied by " + isoLedger, `SELECT event_type || ' ' || event_id || ' of ' || aggregate_id || ' (' || status || ', delivery position ' || COALESCE(delivery_position::text, 'none') || ' against the cursor at ' || (SELECT position FROM delivery_cursor WHERE name = 'outbox') || ', inbox row ' || COALESCE((SELECT status FROM inbox_messages i WHERE i.consumer = 'iso-ledger' AND i.message_id = e.event_id), 'none') || ')' FROM outbox_events e WHERE NOT EXISTS (SELECT 1 FROM iso_applied a WHERE a.message_id = e.event_id)`},
 			{"logged as finished by two refund finish runs", `SELECT target FROM repair_log WHERE action = 'refund finish' AND result LIKE '%; finished' GROUP BY target HAVING COUNT(*) > 1`},
 			// What a repair repairs is set aside once here; two repairs of
 			// it are two operators, or two workers, acting on one read.
@@ -1462,7 +1460,8 @@ func TestTwoSessions(t *testing.T) {
 	// duplicate request.
 	quick := map[[2]string]bool{
 		// The reconciler marked a replayed event delivered that no
-		// consumer had applied (markDelivered).
+		// consumer had applied (when delivery was a mark; now the
+		// reconciler's cursor must not pass the replay's new position).
 		{"inbox replay", "reconciler"}: true,
 		// Cleanup deleted another consumer's week-old inbox row while a
 		// replay put its event back in flight: applied twice.

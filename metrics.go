@@ -382,11 +382,6 @@ const (
 		WHERE status = 'pending' ORDER BY seq LIMIT 1`
 	// outbox_events_failed.
 	scrapeOutboxFailed = `SELECT COUNT(*) FROM outbox_events WHERE status = 'failed'`
-	// outbox_events_undelivered, which the reconciler reads too: the
-	// events published and not yet seen in every consumer's inbox, and
-	// the oldest publish among them.
-	scrapeOutboxUndelivered = `SELECT COUNT(*), MIN(published_at) FROM outbox_events
-		WHERE status = 'published' AND delivered_at IS NULL`
 	// saga_instances_runnable, which the saga loop's claim reads too. The
 	// condition is the index's own, word for word: SQLite uses a partial
 	// index only for a query that says what the index says.
@@ -395,6 +390,12 @@ const (
 	// saga_instances_compensation_failed.
 	scrapeSagasCompensationFailed = `SELECT COUNT(*) FROM saga_instances WHERE status = 'compensation_failed'`
 )
+
+// scrapeOutboxUndelivered reads outbox_events_delivery, as the reconciler
+// does: the events from its cursor on that a consumer of their subject has
+// not applied yet, and the oldest publish among them.
+var scrapeOutboxUndelivered = `SELECT COUNT(*), MIN(e.published_at) FROM outbox_events e
+	WHERE e.delivery_position >= ` + deliveryCursor + ` AND ` + undeliveredSQL(deliveryTargets())
 
 // dbCollector reads the gauges that describe the database at scrape time:
 // each scrape, from any process, reports what the database holds now. It

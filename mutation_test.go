@@ -249,7 +249,7 @@ func mutations() []mutation {
 			catcher: "TestDelivery/LostMessageIsRepublishedAWeekLater",
 			fault:   "review: cleanup deletes old published events that a consumer never applied, and with them the reconciler's only copy",
 			edits: []mutationEdit{
-				{"cleanup.go", "WHERE status = 'published' AND delivered_at IS NOT NULL AND published_at <= ?", "WHERE status = 'published' AND published_at <= ?"},
+				{"cleanup.go", "WHERE status = 'published' AND delivery_position < `+deliveryCursor+` AND published_at <= ?", "WHERE status = 'published' AND published_at <= ?"},
 			},
 		},
 		{
@@ -271,10 +271,25 @@ func mutations() []mutation {
 		{
 			name:    "DeliveredWhenAnyConsumerApplied",
 			catcher: "TestDelivery/EventOneConsumerMissedIsRepublishedAndTheOtherAbsorbsIt",
-			fault:   "review: an event is marked delivered once any consumer applied it, not each consumer of its subject; a message the broker lost for the other is never published again",
+			fault:   "review: the reconciler's cursor passes an event once any consumer applied it, not each consumer of its subject; a message the broker lost for the other is never published again",
 			edits: []mutationEdit{
-				{"deliver.go", "\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets)+`\n\t\t\tLIMIT ? `", "\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id)\n\t\t\tLIMIT ? `"},
-				{"deliver.go", "\t\t\t  AND NOT `+undeliveredSQL(a.deliveryTargets),\n", "\t\t\t  AND EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id)`,\n"},
+				{"deliver.go", "\t\t\t   AND `+undeliveredSQL(a.deliveryTargets)+`\n\t\t\t ORDER BY e.delivery_position LIMIT 1),", "\t\t\t   AND NOT EXISTS (SELECT 1 FROM inbox_messages i WHERE i.message_id = e.event_id)\n\t\t\t ORDER BY e.delivery_position LIMIT 1),"},
+			},
+		},
+		{
+			name:    "ReplayKeepsItsDeliveryPosition",
+			catcher: "TestDelivery/ReplayTheBrokerLostIsRepublished",
+			fault:   "an operator's replay leaves its event at the delivery position the reconciler's cursor has passed: a replay the broker loses is never published again",
+			edits: []mutationEdit{
+				{"repair.go", "SET published_at = ?, delivery_position = `+dialectOf(a.db).deliveryPosition+` WHERE event_id = ?`", "SET published_at = ? WHERE event_id = ?`"},
+			},
+		},
+		{
+			name:    "PositionBelowTheCursorAfterCleanup",
+			catcher: "TestDelivery/EventAfterCleanupEmptiedTheOutboxIsWatched",
+			fault:   "on SQLite a publish stamps one more than the largest position left, which once cleanup has deleted the events the cursor passed is below the cursor: the reconciler never reads the event",
+			edits: []mutationEdit{
+				{"infra_dialect.go", "const sqliteNextPosition = `MAX(\n\tCOALESCE((SELECT MAX(delivery_position) FROM outbox_events WHERE delivery_position IS NOT NULL), 0) + 1,\n\t(SELECT position FROM delivery_cursor WHERE name = 'outbox'))`", "const sqliteNextPosition = `(COALESCE((SELECT MAX(delivery_position) FROM outbox_events WHERE delivery_position IS NOT NULL), 0) + 1)`"},
 			},
 		},
 		{
@@ -511,7 +526,7 @@ func mutations() []mutation {
 			fault:           "review: cleanup deletes a week-old inbox row while the broker still holds an unacked delivery of it: the redelivery is applied again",
 			simulatorMisses: "the redelivery that comes after the row is gone is absorbed by the effect's own guard (a saga's started_by, a payment result the order already shows): the shipped consumers apply nothing twice, which is all the simulator judges; the row is the first line of defence, and its test says it is kept",
 			edits: []mutationEdit{
-				{"cleanup.go", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  AND NOT EXISTS (\n\t\t\t    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq\n\t\t\t    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')\n\t\t\t  -- Nor while its event is not delivered to every consumer: the", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  -- Nor while its event is not delivered to every consumer: the"},
+				{"cleanup.go", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  AND NOT EXISTS (\n\t\t\t    SELECT 1 FROM broker_messages m JOIN broker_deliveries d ON d.message_seq = m.seq\n\t\t\t    WHERE m.message_id = i.message_id AND d.subscriber = i.consumer AND d.status = 'pending')\n\t\t\t  -- Nor while the reconciler's cursor has not passed its event:", "\t\t\t  -- the redelivery a duplicate.\n\t\t\t  -- Nor while the reconciler's cursor has not passed its event:"},
 			},
 		},
 		{

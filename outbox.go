@@ -384,7 +384,7 @@ func (a *App) markPublished(ctx context.Context, events []outboxEvent) (marked i
 	args = append(args, relayLeaseName, events[0].LeaseToken)
 	result, err := a.db.ExecContext(ctx, `
 		UPDATE outbox_events
-		SET status = 'published', published_at = ?
+		SET status = 'published', published_at = ?, delivery_position = `+dialectOf(a.db).deliveryPosition+`
 		WHERE status = 'pending' AND seq IN (`+placeholders(len(events))+`)
 		  AND `+underRelayLease(a.db),
 		args...)

@@ -297,31 +297,37 @@ func (a *App) replayInboxMessages(ctx context.Context, operator string, target i
 			if err != nil {
 				return fmt.Errorf("reset failures of %s: %w", terminalSafe(poison.MessageID), err)
 			}
-			// The poison record counted as delivered (markDelivered): the
-			// event is in flight again until the consumer applies the
-			// replay, so a replay the broker loses is published again, and
-			// its delivery lag (check, the oldest-undelivered metric)
-			// counts from now. The reconciler's copies then reach every
-			// consumer of the subject, so each other consumer's inbox row
-			// must outlive them: cleanup may have deleted one since (a
-			// week on; that consumer applied it, delivered_at says each
-			// had its row), and it is written again; one cleanup would
-			// delete now has its retention counted from the replay. That
-			// is also what stops a cleanup running beside the replay: it
-			// reads the event as still delivered, but it deletes only a
-			// row whose processed_at is old on the row's latest version,
-			// and this update holds the row until the replay commits.
+			// The poison record counted as delivered: the event is in
+			// flight again until the consumer applies the replay, so a
+			// replay the broker loses is published again, and its
+			// delivery lag (check, the oldest-undelivered metric) counts
+			// from now. The reconciler's copies then reach every consumer
+			// of the subject, so each other consumer's inbox row must
+			// outlive them: where the reconciler's cursor had passed the
+			// event, every consumer had its row then, and cleanup may have
+			// deleted one since (a week on), so it is written again; a row
+			// that is there has its retention counted from the replay. A
+			// consumer with no row, of an event the cursor has not passed,
+			// has not applied it: it gets no row. The refreshed
+			// processed_at is also what stops a cleanup running beside the
+			// replay: it deletes only a row whose processed_at is old on
+			// the row's latest version, and this update holds the row
+			// until the replay commits.
 			_, err = tx.ExecContext(ctx, `
 				INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
 				SELECT s.consumer, e.event_id, 'done', 1, ?
 				FROM outbox_events e JOIN `+subscriptionsTable(a.deliveryTargets)+` s ON s.subject = e.event_type
-				WHERE e.event_id = ? AND e.delivered_at IS NOT NULL AND s.consumer <> ?
+				WHERE e.event_id = ? AND s.consumer <> ?
+				  AND (e.delivery_position < `+deliveryCursor+`
+				       OR EXISTS (SELECT 1 FROM inbox_messages j WHERE j.consumer = s.consumer AND j.message_id = e.event_id))
 				ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = excluded.processed_at`,
 				formatTime(now), poison.MessageID, poison.Consumer)
 			if err != nil {
 				return fmt.Errorf("remember %s for the other consumers: %w", terminalSafe(poison.MessageID), err)
 			}
-			_, err = tx.ExecContext(ctx, `UPDATE outbox_events SET delivered_at = NULL, published_at = ? WHERE event_id = ?`,
+			// A new position, which no cursor has passed: the reconciler
+			// reads the event again.
+			_, err = tx.ExecContext(ctx, `UPDATE outbox_events SET published_at = ?, delivery_position = `+dialectOf(a.db).deliveryPosition+` WHERE event_id = ?`,
 				formatTime(now), poison.MessageID)
 			if err != nil {
 				return fmt.Errorf("put %s back in flight: %w", terminalSafe(poison.MessageID), err)

@@ -457,3 +457,33 @@ VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');
 -- reserved or sold = stocked, which check reads.
 ALTER TABLE stock_items DROP COLUMN reserved;
 ALTER TABLE stock_items DROP COLUMN sold;
+
+-- version 12
+
+-- Delivery is read, not written: an event is delivered when every consumer
+-- of its subject has its inbox row, and nothing marks it (the mark was two
+-- row writes per order). What the reconciler needs instead is to know which
+-- events it no longer has to look at: delivery_cursor, a position below
+-- which every published event was found delivered (deliver.go). A publish
+-- (markPublished, an operator's inbox replay) stamps the event with
+-- delivery_position, larger than any position a reconciler could have
+-- passed: on SQLite one more than the largest so far (one writer at a
+-- time, so positions grow in the order their writes commit); on
+-- PostgreSQL the writing transaction's id. The reconciler reads the events
+-- from the cursor on, and moves the cursor up to the first one a consumer
+-- lacks: one row written per sweep, not one per event.
+--
+-- Events published and delivered before this version get position 0,
+-- below the cursor; those in flight get 1, at the cursor.
+ALTER TABLE outbox_events ADD COLUMN delivery_position INTEGER;
+UPDATE outbox_events SET delivery_position = CASE WHEN delivered_at IS NULL THEN 1 ELSE 0 END
+    WHERE status = 'published';
+DROP INDEX outbox_events_undelivered;
+ALTER TABLE outbox_events DROP COLUMN delivered_at;
+CREATE INDEX outbox_events_delivery ON outbox_events (delivery_position)
+    WHERE delivery_position IS NOT NULL;
+CREATE TABLE delivery_cursor (
+    name     TEXT PRIMARY KEY,
+    position INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO delivery_cursor (name, position) VALUES ('outbox', 1);

@@ -403,3 +403,25 @@ VALUES ('outbox', '', 0, '0001-01-01T00:00:00.000000Z');
 -- status: see version 11 of schema.sql.
 ALTER TABLE stock_items DROP COLUMN reserved;
 ALTER TABLE stock_items DROP COLUMN sold;
+
+-- version 12
+
+-- Delivery is read from the inboxes, and the reconciler keeps a cursor: see
+-- version 12 of schema.sql. Here a publish stamps its transaction's id
+-- (pg_current_xact_id, as a number): transactions commit in another order
+-- than they take ids, so the reconciler never moves the cursor past the
+-- oldest transaction still running (deliveryHorizon). This migration's own
+-- id is where the cursor starts, and what the events in flight get.
+ALTER TABLE outbox_events ADD COLUMN delivery_position BIGINT;
+UPDATE outbox_events
+    SET delivery_position = CASE WHEN delivered_at IS NULL THEN pg_current_xact_id()::text::bigint ELSE 0 END
+    WHERE status = 'published';
+DROP INDEX IF EXISTS outbox_events_undelivered;
+ALTER TABLE outbox_events DROP COLUMN delivered_at;
+CREATE INDEX IF NOT EXISTS outbox_events_delivery ON outbox_events (delivery_position)
+    WHERE delivery_position IS NOT NULL;
+CREATE TABLE delivery_cursor (
+    name     TEXT PRIMARY KEY,
+    position BIGINT NOT NULL
+);
+INSERT INTO delivery_cursor (name, position) VALUES ('outbox', pg_current_xact_id()::text::bigint);

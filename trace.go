@@ -259,11 +259,13 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 		brokerSeq, duplicates            sql.NullInt64
 		brokerPublishedAt                sql.NullString
 		republishes                      int64
-		republishedAt, deliveredAt       sql.NullString
+		republishedAt                    sql.NullString
+		passed                           bool
 	}
 	rows, err := db.QueryContext(ctx, `
 		SELECT e.seq, e.event_id, e.event_type, e.status, e.created_at, e.attempts, e.published_at, e.last_error,
-		       m.seq, m.duplicates, m.published_at, e.republishes, e.republished_at, e.delivered_at
+		       m.seq, m.duplicates, m.published_at, e.republishes, e.republished_at,
+		       COALESCE(e.delivery_position < `+deliveryCursor+`, FALSE)
 		FROM outbox_events e LEFT JOIN broker_messages m ON m.message_id = e.event_id
 		WHERE e.aggregate_id = ? ORDER BY e.seq`, t.orderID)
 	if err != nil {
@@ -273,7 +275,7 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 	for rows.Next() {
 		var e event
 		if err := rows.Scan(&e.seq, &e.id, &e.eventType, &e.status, &e.createdAt, &e.attempts, &e.publishedAt, &e.lastError,
-			&e.brokerSeq, &e.duplicates, &e.brokerPublishedAt, &e.republishes, &e.republishedAt, &e.deliveredAt); err != nil {
+			&e.brokerSeq, &e.duplicates, &e.brokerPublishedAt, &e.republishes, &e.republishedAt, &e.passed); err != nil {
 			rows.Close()
 			return fmt.Errorf("read outbox events: %w", err)
 		}
@@ -315,7 +317,7 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 			return err
 		}
 		if e.publishedAt.Valid {
-			if err := t.addDelivery(ctx, db, phase, e.id, e.eventType, e.publishedAt.String, e.deliveredAt); err != nil {
+			if err := t.addDelivery(ctx, db, phase, e.id, e.eventType, e.publishedAt.String, e.passed); err != nil {
 				return err
 			}
 		}
@@ -325,28 +327,37 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 
 // addDelivery adds whether a published event is delivered: in the inbox
 // of every consumer of its subject (deliver.go), or which ones it is
-// missing from.
-func (t *orderTrace) addDelivery(ctx context.Context, db *sql.DB, phase int, eventID, eventType, publishedAt string, deliveredAt sql.NullString) error {
+// missing from. It is delivered when the last of them applied it; passed
+// says the reconciler's cursor has passed the event, which makes it
+// delivered for good, even once cleanup has deleted the inbox rows.
+func (t *orderTrace) addDelivery(ctx context.Context, db *sql.DB, phase int, eventID, eventType, publishedAt string, passed bool) error {
 	var consumers, missing []string
+	deliveredAt := publishedAt
 	for _, target := range deliveryTargets() {
 		if target.subject != eventType {
 			continue
 		}
 		consumers = append(consumers, target.consumer)
-		var rows int
-		err := db.QueryRowContext(ctx, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND message_id = ?`,
-			target.consumer, eventID).Scan(&rows)
+		var processedAt sql.NullString
+		err := db.QueryRowContext(ctx, `SELECT MAX(processed_at) FROM inbox_messages WHERE consumer = ? AND message_id = ?`,
+			target.consumer, eventID).Scan(&processedAt)
 		if err != nil {
 			return fmt.Errorf("read inbox: %w", err)
 		}
-		if rows == 0 {
+		switch {
+		case !processedAt.Valid:
 			missing = append(missing, target.consumer)
+		case processedAt.String > deliveredAt:
+			deliveredAt = processedAt.String
 		}
 	}
 	switch {
-	case deliveredAt.Valid:
-		t.add(deliveredAt.String, phase, traceRelay, traceRelay, "%s delivered: in the inbox of %s", eventID, consumerList(consumers))
-	case len(missing) > 0:
+	case len(missing) == 0:
+		t.add(deliveredAt, phase, traceRelay, traceRelay, "%s delivered: in the inbox of %s", eventID, consumerList(consumers))
+	case passed:
+		t.addUntimed(publishedAt, "delivered, inbox rows deleted: placed at the publish", phase, traceRelay, traceRelay,
+			"%s delivered: cleanup has since deleted the inbox rows of %s", eventID, consumerList(missing))
+	default:
 		t.addUntimed(publishedAt, "not delivered: placed at the publish", phase, traceRelay, traceRelay,
 			"%s not delivered yet: not in the inbox of %s", eventID, consumerList(missing))
 	}
