@@ -232,6 +232,57 @@ func TestDelivery(t *testing.T) {
 		}
 	})
 
+	// Ensure the cursor never passes a publish whose transaction is still
+	// committing, on PostgreSQL: there a transaction with a lower id (A's
+	// publish) can commit after one with a higher id (B's) is visible and
+	// delivered. A cursor moved past B would never read A, and a message
+	// of A the broker lost would never be published again. (SQLite runs
+	// one writer at a time: A's transaction would hold B back.)
+	t.Run("CursorWaitsForAPublishStillCommitting", func(t *testing.T) {
+		env := MustOpenApp(t)
+		if dialectOf(env.app.db).name != "postgres" {
+			t.Skip("SQLite's one writer commits publishes in the order of their positions")
+		}
+		orderA := orderField(mustCreateOrder(t, env, "user-42", "kA", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		eventA := env.str(t, `SELECT event_id FROM outbox_events WHERE aggregate_id = ?`, orderA)
+		// A's publish: the relay's mark, in a transaction that takes its
+		// id now and commits last. The broker never got A's message.
+		if _, err := env.app.db.Exec(`UPDATE outbox_events SET next_attempt_at = '9999-01-01T00:00:00.000000Z' WHERE event_id = ?`, eventA); err != nil {
+			t.Fatal(err)
+		}
+		publishA, err := env.app.db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer publishA.Rollback()
+		_, err = publishA.ExecContext(ctx, `UPDATE outbox_events SET status = 'published', published_at = ?, delivery_position = `+dialectOf(env.app.db).deliveryPosition+` WHERE event_id = ?`,
+			formatTime(env.clock.now()), eventA)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// B: created, published, applied and settled while A's publish
+		// is still open; every sweep of the reconciler runs meanwhile.
+		orderB := createAndDrain(t, env, "kB", orderBody(100, "sku-1", 1, pmCardVisa))
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderB); got != "paid" {
+			t.Fatalf("order B is %s, want paid", got)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE aggregate_id = ? AND delivery_position < `+deliveryCursor, orderB); got != 0 {
+			t.Fatalf("the cursor passed %d of B's events while A's publish, with a lower id, was still open; want 0", got)
+		}
+		if err := publishA.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		env.clock.advance(deliveryBound)
+		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
+			t.Fatalf("the reconciler republished %d, %v, want A's OrderCreated, which the broker never had", n, err)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderA); got != "paid" {
+			t.Fatalf("order A is %s, want paid", got)
+		}
+		mustAudit(t, env, true)
+	})
+
 	// Ensure an event published after cleanup deleted every event the
 	// cursor had passed still gets a position the cursor has not passed:
 	// stamped below it, the reconciler would never read it again, and a
