@@ -256,6 +256,9 @@ type simAction struct {
 	// the transaction of a create that ran alone: from the reading before
 	// the first jump to the one after the last (simulate_boundaries.go).
 	clockMovedFrom, clockMovedTo time.Time
+	// horizon is, for a sweep of the reconciler, the delivery horizon
+	// read before it began (checkReceivedPassed).
+	horizon int64
 	// probe is the expiry probe a client request sends, if it is one.
 	probe *simExpiryProbe
 	// consumer is the consumer a consumeOnce pass ran, and consumed what
@@ -1176,7 +1179,7 @@ func (s *simulation) resume(ctx context.Context, action *simAction) error {
 	if action.what == "reconcileOnce" && action.err == nil && !action.crashed && !action.waited {
 		// A sweep that ran straight through: its cursor is the last word
 		// on the inboxes as they are now.
-		return s.checkReceivedPassed(ctx)
+		return s.checkReceivedPassed(ctx, action.horizon)
 	}
 	return nil
 }
@@ -1244,6 +1247,10 @@ func (s *simulation) workerPass(ctx context.Context) error {
 // process.
 func (s *simulation) reconcilePass(ctx context.Context, action *simAction) error {
 	action.what = "reconcileOnce"
+	err := s.direct.QueryRowContext(ctx, `SELECT `+dialectOf(s.direct).deliveryHorizon).Scan(&action.horizon)
+	if err != nil {
+		return fmt.Errorf("read the delivery horizon: %w", err)
+	}
 	return s.start(ctx, action, func(ctx context.Context) {
 		n, err := s.app.reconcileOnce(ctx, action.process.name, 4)
 		action.result = workerResult(n, "republished", err)
