@@ -826,8 +826,8 @@ func BenchmarkGrowth(b *testing.B) {
 			 INSERT INTO idempotency_keys (user_id, idempotency_key, request_method, request_path, request_hash, request_params, status, recovery_point, response_status, response_body, created_at, expires_at)
 			 SELECT 'user-' || (n % 1000), 'old-' || n, 'POST', '/api/orders', 'hash-' || n, '{}', 'completed', 'finished', 201, ?4, ?2, ?3 FROM i`, []any{rows, now, expires, []byte(`{}`)}},
 			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
-			 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at)
-			 SELECT 'evt_old_' || n, 'OrderCreated', 'ord_old_' || n, '{}', 'published', ?2, ?2, ?2 FROM i`, []any{rows, now}},
+			 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, published_at, delivery_position)
+			 SELECT 'evt_old_' || n, 'OrderCreated', 'ord_old_' || n, '{}', 'published', ?2, ?2, ?2, 0 FROM i`, []any{rows, now}},
 			{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 			 INSERT INTO inbox_messages (consumer, message_id, status, delivery_count, processed_at)
 			 SELECT 'payment-svc', 'evt_old_' || n, 'done', 1, ?2 FROM i`, []any{rows, now}},

@@ -60,8 +60,8 @@ func TestCheck(t *testing.T) {
 			"stock is conserved"},
 		{"LostEvent", `DELETE FROM outbox_events WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
 			"every order has exactly one OrderCreated event"},
-		{"DuplicateOrderCreated", `INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at)
-			SELECT 'evt_extra', event_type, aggregate_id, payload, status, next_attempt_at, created_at FROM outbox_events
+		{"DuplicateOrderCreated", `INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, delivery_position)
+			SELECT 'evt_extra', event_type, aggregate_id, payload, status, next_attempt_at, created_at, delivery_position FROM outbox_events
 			WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
 			"every order has exactly one OrderCreated event"},
 		{"PaidButNotCharged", `UPDATE processor_charges SET refunded_cents = amount_cents WHERE order_id = :paid`,

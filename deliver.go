@@ -192,7 +192,11 @@ func (a *App) claimUndelivered(ctx context.Context, relayID string, limit int) (
 			SET claimed_by = ?, claimed_until = ?, lease_token = lease_token + 1
 			WHERE seq IN (
 				SELECT e.seq FROM outbox_events e
-				WHERE e.delivery_position >= `+deliveryCursor+`
+				-- Published: an operator's replay of a message whose event
+				-- the relay has not marked yet stamps a position too, and a
+				-- copy of it would be refused its record (recordRepublished)
+				-- and sent again every lease until the relay marks it.
+				WHERE e.status = 'published' AND e.delivery_position >= `+deliveryCursor+`
 				  -- Past the bound since the last publish: a consumer that is
 				  -- merely behind gets no copy. The last publish is the
 				  -- later of the relay's or a replay's (published_at) and

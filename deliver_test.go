@@ -283,6 +283,26 @@ func TestDelivery(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
+	// Ensure an event cannot be marked published without its delivery
+	// position, as a relay built before schema version 12 would mark it
+	// while running beside a process that migrated: no sweep would ever
+	// read it, and a message of it the broker lost would never be
+	// published again. The mark fails, and the event waits for a relay
+	// that stamps it.
+	t.Run("PublishWithoutAPositionIsRefused", func(t *testing.T) {
+		env := MustOpenApp(t)
+		mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		_, err := env.app.db.Exec(`UPDATE outbox_events SET status = 'published', published_at = ?`, formatTime(env.clock.now()))
+		if err == nil {
+			t.Fatal("an event was marked published without a delivery position")
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE status = 'pending'`); got != 1 {
+			t.Fatalf("got %d pending events after the refused mark, want 1", got)
+		}
+		env.drain(t)
+		mustAudit(t, env, true)
+	})
+
 	// Ensure an event published after cleanup deleted every event the
 	// cursor had passed still gets a position the cursor has not passed:
 	// stamped below it, the reconciler would never read it again, and a

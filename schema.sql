@@ -487,3 +487,15 @@ CREATE TABLE delivery_cursor (
     position INTEGER NOT NULL
 ) WITHOUT ROWID;
 INSERT INTO delivery_cursor (name, position) VALUES ('outbox', 1);
+-- A published event always has its position: without one, no sweep would
+-- ever read it, and a message of it the broker lost would never be
+-- published again. What this stops is a process built before this version
+-- (its relay marks events published and stamps nothing) still running
+-- beside one that migrated: its marks fail, and the events wait for a
+-- relay that stamps them.
+CREATE TRIGGER outbox_events_published_has_position
+BEFORE UPDATE OF status ON outbox_events
+WHEN NEW.status = 'published' AND NEW.delivery_position IS NULL
+BEGIN
+    SELECT RAISE(ABORT, 'a published outbox event needs its delivery_position (a process older than schema version 12?)');
+END;

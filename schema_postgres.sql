@@ -425,3 +425,6 @@ CREATE TABLE delivery_cursor (
     position BIGINT NOT NULL
 );
 INSERT INTO delivery_cursor (name, position) VALUES ('outbox', pg_current_xact_id()::text::bigint);
+-- A published event always has its position: see version 12 of schema.sql.
+ALTER TABLE outbox_events ADD CONSTRAINT outbox_events_published_has_position
+    CHECK (status <> 'published' OR delivery_position IS NOT NULL);
