@@ -1050,11 +1050,12 @@ func fillHistory(tb testing.TB, db *sql.DB, rows int) {
 		 SELECT 'ord_live_' || n, 'user-' || (n % 1000), 5000, 'usd', '[{"sku":"sku-1","qty":2}]', 'pm_card_visa', 'created', 'live-' || n, ?2, ?2 FROM i`,
 			[]any{historyInFlight + historyFailedEvents + historyCompensationFailed, now}},
 		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
-		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, attempts, next_attempt_at, created_at, last_error)
+		 INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, attempts, next_attempt_at, created_at, last_error, delivery_position)
 		 SELECT 'evt_live_' || n, 'OrderCreated', 'ord_live_' || n, '{}',
 		        CASE WHEN n <= ?2 THEN 'pending' WHEN n <= ?3 THEN 'failed' ELSE 'published' END,
 		        CASE WHEN n > ?2 AND n <= ?3 THEN ?4 ELSE 1 END, ?5, ?5,
-		        CASE WHEN n > ?2 AND n <= ?3 THEN 'broker unreachable' END FROM i`,
+		        CASE WHEN n > ?2 AND n <= ?3 THEN 'broker unreachable' END,
+		        CASE WHEN n > ?3 THEN 0 END FROM i`,
 			[]any{historyInFlight + historyFailedEvents + historyCompensationFailed, historyInFlight, historyInFlight + historyFailedEvents, maxPublishAttempts, now}},
 		{`WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < ?1)
 		 INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
