@@ -137,6 +137,10 @@ func (a *App) reconcileOnce(ctx context.Context, relayID string, limit int) (int
 // published event whose delivery_position is below it is delivered.
 const deliveryCursor = `(SELECT position FROM delivery_cursor WHERE name = 'outbox')`
 
+// cursorPassed says, of the outbox event e, 'yes' if the reconciler's
+// cursor has passed it (delivered for good), else 'no' (inspect, trace).
+const cursorPassed = `CASE WHEN e.delivery_position < ` + deliveryCursor + ` THEN 'yes' ELSE 'no' END`
+
 // advanceDeliveryCursor moves the delivery cursor up to the first event,
 // from the cursor on, that a consumer of its subject has not applied; if
 // there is none, up to the horizon (dialect.deliveryHorizon): the events

@@ -32,15 +32,7 @@ func TestDelivery(t *testing.T) {
 		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "created" {
 			t.Fatalf("before the bound the order is %s, want created (nothing delivered it)", got)
 		}
-		env.clock.advance(deliveryBound)
-		republished, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize)
-		if err != nil || republished != 1 {
-			t.Fatalf("reconciler republished %d, %v, want 1", republished, err)
-		}
-		env.drain(t)
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "paid" {
-			t.Fatalf("order is %s, want paid", got)
-		}
+		mustRepublishOneAndPay(t, env, order, "the OrderCreated the broker lost")
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
 			t.Fatalf("got %d charges, want 1", got)
 		}
@@ -272,14 +264,7 @@ func TestDelivery(t *testing.T) {
 		if err := publishA.Commit(); err != nil {
 			t.Fatal(err)
 		}
-		env.clock.advance(deliveryBound)
-		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
-			t.Fatalf("the reconciler republished %d, %v, want A's OrderCreated, which the broker never had", n, err)
-		}
-		env.drain(t)
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderA); got != "paid" {
-			t.Fatalf("order A is %s, want paid", got)
-		}
+		mustRepublishOneAndPay(t, env, orderA, "A's OrderCreated, which the broker never had")
 		mustAudit(t, env, true)
 	})
 
@@ -324,14 +309,7 @@ func TestDelivery(t *testing.T) {
 		if lost, err := loseEmbeddedMessages(ctx, env.app.db, 1, first); err != nil || len(lost) != 1 {
 			t.Fatalf("lost %v, %v, want the OrderCreated", lost, err)
 		}
-		env.clock.advance(deliveryBound)
-		if n, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil || n != 1 {
-			t.Fatalf("the reconciler republished %d, %v, want the OrderCreated the broker lost", n, err)
-		}
-		env.drain(t)
-		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != "paid" {
-			t.Fatalf("order is %s, want paid", got)
-		}
+		mustRepublishOneAndPay(t, env, order, "the OrderCreated the broker lost")
 		mustAudit(t, env, true)
 	})
 
@@ -657,4 +635,20 @@ func subscribeAnalytics(t *testing.T, env *testEnv) (consumer, *int) {
 		t.Fatal(err)
 	}
 	return analytics, applied
+}
+
+// mustRepublishOneAndPay moves env's clock past the delivery bound,
+// expects one sweep of the reconciler to publish one event again (lost,
+// which the broker lost), and orderID to end paid once the workers are
+// quiet.
+func mustRepublishOneAndPay(t *testing.T, env *testEnv, orderID, lost string) {
+	t.Helper()
+	env.clock.advance(deliveryBound)
+	if n, err := env.app.reconcileOnce(context.Background(), "relay-1", relayBatchSize); err != nil || n != 1 {
+		t.Fatalf("the reconciler republished %d, %v, want %s", n, err, lost)
+	}
+	env.drain(t)
+	if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != "paid" {
+		t.Fatalf("order %s is %s, want paid", orderID, got)
+	}
 }

@@ -40,10 +40,6 @@ type inspectedTable struct {
 // messages and the inbox's rows carry the event id as their message id.
 const eventsOfOrder = `(SELECT event_id FROM outbox_events WHERE aggregate_id = ?)`
 
-// cursorPassed says, of the outbox event e, whether the reconciler's
-// cursor has passed it: delivered for good (deliver.go).
-const cursorPassed = `CASE WHEN e.delivery_position < ` + deliveryCursor + ` THEN 'yes' ELSE 'no' END`
-
 // deliveredByBroker is how many times the embedded broker delivered an
 // inbox row's message to its consumer. The inbox applies a message once and
 // skips every later delivery, so the two counts side by side are the

@@ -265,7 +265,7 @@ func (t *orderTrace) addEvents(ctx context.Context, db *sql.DB) error {
 	rows, err := db.QueryContext(ctx, `
 		SELECT e.seq, e.event_id, e.event_type, e.status, e.created_at, e.attempts, e.published_at, e.last_error,
 		       m.seq, m.duplicates, m.published_at, e.republishes, e.republished_at,
-		       COALESCE(e.delivery_position < `+deliveryCursor+`, FALSE)
+		       `+cursorPassed+` = 'yes'
 		FROM outbox_events e LEFT JOIN broker_messages m ON m.message_id = e.event_id
 		WHERE e.aggregate_id = ? ORDER BY e.seq`, t.orderID)
 	if err != nil {
