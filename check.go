@@ -142,19 +142,21 @@ func invariants(d *dialect) []invariant {
 			FROM processor_charges c
 			WHERE c.refunded_cents > c.amount_cents
 			   OR c.refunded_cents <> COALESCE((SELECT SUM(r.amount_cents) FROM processor_refunds r WHERE r.charge_id = c.charge_id), 0)`},
-		{name: "stock is conserved (available + reserved + sold = stocked)", query: `
-			SELECT s.sku || ': ' || s.available || ' available + ' || COALESCE(SUM(r.qty), 0) || ' reserved or sold <> ' || s.stocked
+		// Sold stock is a reserved hold of a completed saga (stock.go):
+		// what is reserved is held or sold.
+		{name: "stock is conserved (available + reserved = stocked)", query: `
+			SELECT s.sku || ': ' || s.available || ' available + ' || COALESCE(SUM(r.qty), 0) || ' reserved <> ' || s.stocked
 			FROM stock_items s
-			LEFT JOIN stock_reservations r ON r.sku = s.sku AND r.status IN ('reserved', 'sold')
+			LEFT JOIN stock_reservations r ON r.sku = s.sku AND r.status = 'reserved'
 			GROUP BY s.sku, s.available, s.stocked
 			HAVING s.available + COALESCE(SUM(r.qty), 0) <> s.stocked`},
 		{name: "a cancelled order sold nothing and holds no money", query: `
 			SELECT o.order_id || ' is cancelled but ' ||
-			       CASE WHEN EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold')
-			            THEN 'sold stock' ELSE 'the processor holds its money' END
+			       CASE WHEN EXISTS (SELECT 1 FROM saga_instances s WHERE s.order_id = o.order_id AND s.status = 'completed')
+			            THEN 'sold stock (its saga completed)' ELSE 'the processor holds its money' END
 			FROM orders o
 			WHERE o.status = 'cancelled'
-			  AND (EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold')
+			  AND (EXISTS (SELECT 1 FROM saga_instances s WHERE s.order_id = o.order_id AND s.status = 'completed')
 			       OR COALESCE((SELECT SUM(c.amount_cents - c.refunded_cents) FROM processor_charges c
 			                    WHERE c.order_id = o.order_id AND c.status = 'succeeded'), 0) <> 0)`},
 		{name: "an order's status agrees with its money", query: `
@@ -184,14 +186,17 @@ func invariants(d *dialect) []invariant {
 			WHERE o.status IN ('paid', 'refunded')
 			  AND (c.charge_id IS NULL OR c.status <> 'succeeded' OR c.order_id <> o.order_id
 			       OR c.amount_cents <> o.amount_cents OR c.currency <> o.currency)`},
-		{name: "a paid or refunded order sold every item, and holds nothing back", query: `
-			SELECT o.order_id || ' is ' || o.status || ' but sold ' ||
-			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') ||
-			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items'
-			FROM orders o
+		// Sold: every item's hold still reserved, and the saga completed.
+		{name: "a paid or refunded order sold every item, and released none", query: `
+			SELECT o.order_id || ' is ' || o.status || ' with saga ' || COALESCE(s.status, 'missing') || ' and holds ' ||
+			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'reserved') ||
+			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items, ' ||
+			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'reserved') || ' released'
+			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id
 			WHERE o.status IN ('paid', 'refunded')
-			  AND ((SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'sold') <> ` + d.jsonArrayLength("o.items") + `
-			       OR EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'sold'))`},
+			  AND (s.status IS NULL OR s.status <> 'completed'
+			       OR (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'reserved') <> ` + d.jsonArrayLength("o.items") + `
+			       OR EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'reserved'))`},
 		{name: "a cancelled order holds no stock", query: `
 			SELECT o.order_id || ' is cancelled but still holds ' || r.qty || ' of ' || r.sku
 			FROM orders o JOIN stock_reservations r ON r.order_id = o.order_id
@@ -230,8 +235,10 @@ func invariants(d *dialect) []invariant {
 			                     ELSE -1 END`},
 		{name: "once quiet, no refund is left pending", settledOnly: true, query: `
 			SELECT refund_id || ' of ' || order_id || ' is still pending' FROM refunds WHERE status = 'pending'`},
-		{name: "once quiet, nothing is reserved", settledOnly: true, query: `
-			SELECT sku || ' still has ' || SUM(qty) || ' reserved' FROM stock_reservations WHERE status = 'reserved' GROUP BY sku`},
+		{name: "once quiet, nothing is reserved but what was sold", settledOnly: true, query: `
+			SELECT r.sku || ' still has ' || SUM(r.qty) || ' reserved for sagas not completed' FROM stock_reservations r
+			WHERE r.status = 'reserved' AND NOT ` + soldHold + `
+			GROUP BY r.sku`},
 		{name: "once quiet, every saga is terminal and agrees with its order", settledOnly: true, query: `
 			SELECT o.order_id || ' is ' || o.status || ' with saga ' || COALESCE(s.status, 'missing')
 			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id

@@ -148,10 +148,11 @@ var inspectedTables = []inspectedTable{
 	},
 	{
 		name: "stock_items",
-		// reserved and sold are the SKU's reservations (schema version 11).
+		// reserved and sold are the SKU's reservations (schema version
+		// 11), sold those of completed sagas (version 13).
 		columns: `sku, available,
-			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'reserved') AS reserved,
-			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'sold') AS sold, stocked`,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'reserved' AND NOT ` + soldHold + `) AS reserved,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND ` + soldHold + `) AS sold, stocked`,
 		from:    `stock_items`,
 		ofOrder: `sku IN (SELECT sku FROM stock_reservations WHERE order_id = ?)`,
 		orderBy: `sku`,

@@ -319,9 +319,9 @@ func mutations() []mutation {
 		{
 			name:    "ConfirmReleasesStock",
 			catcher: "TestSaga/PaidOrderIsCharged",
-			fault:   "review: the saga's confirm step settles the order's holds as released, not sold, so a paid order's goods go back on the shelf",
+			fault:   "review: the saga's confirm step releases the order's holds, so a paid order's goods go back on the shelf",
 			edits: []mutationEdit{
-				{"saga.go", "settleReservations(ctx, tx, run.order.OrderID, stockSold, now)", "settleReservations(ctx, tx, run.order.OrderID, stockReleased, now)"},
+				{"saga.go", "confirms without a charge\", run.saga.SagaID)\n\t}\n", "confirms without a charge\", run.saga.SagaID)\n\t}\n\tif err := releaseReservations(ctx, tx, run.order.OrderID, now); err != nil {\n\t\treturn err\n\t}\n"},
 			},
 		},
 		{
@@ -489,11 +489,11 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:    "SettleStatusesSwapped",
-			catcher: "TestSaga/PaidOrderIsCharged",
-			fault:   "review: settleReservations swaps the new and the old status: no hold is ever sold or released",
+			name:    "ReleaseStatusesSwapped",
+			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
+			fault:   "review: releaseReservations swaps the new and the old status: no hold is ever released",
 			edits: []mutationEdit{
-				{"stock.go", "\t\tWHERE order_id = ? AND status = ?\n\t\tRETURNING sku, qty`, to, formatTime(now), orderID, stockReserved)\n\tif err != nil {", "\t\tWHERE order_id = ? AND status = ?\n\t\tRETURNING sku, qty`, stockReserved, formatTime(now), orderID, to)\n\tif err != nil {"},
+				{"stock.go", "RETURNING sku, qty`, stockReleased, formatTime(now), orderID, stockReserved)", "RETURNING sku, qty`, stockReserved, formatTime(now), orderID, stockReleased)"},
 			},
 		},
 		{

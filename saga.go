@@ -422,16 +422,15 @@ func (a *App) chargeCardStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now 
 	return a.markStepDone(ctx, tx, run.lease, run.step, run.chargeID, now)
 }
 
-// confirmStep is the saga's last step, confirm: the reserved stock is sold,
-// and PaymentCaptured goes to the outbox in the same transaction, for the
-// order service to mark the order paid.
+// confirmStep is the saga's last step, confirm: PaymentCaptured goes to the
+// outbox, for the order service to mark the order paid, and the step's
+// record completes the saga in the same transaction (markStepDone). That
+// is the sale too: the reserved stock is sold once its saga completed, and
+// nothing else is written for it (stock.go).
 func (a *App) confirmStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
 	charge, ok := firstStepNamed(run.steps, stepChargeCard)
 	if !ok || !charge.Result.Valid {
 		return fmt.Errorf("bug: saga %s confirms without a charge", run.saga.SagaID)
-	}
-	if err := settleReservations(ctx, tx, run.order.OrderID, stockSold, now); err != nil {
-		return err
 	}
 	// Sample flaw 11: it wrote PaymentCaptured and nobody relayed or
 	// consumed it. Here it leaves through the outbox, and the order
@@ -495,7 +494,7 @@ func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) erro
 	switch step.Name {
 	case stepReserveStock:
 		return a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
-			if err := settleReservations(ctx, tx, run.order.OrderID, stockReleased, now); err != nil {
+			if err := releaseReservations(ctx, tx, run.order.OrderID, now); err != nil {
 				return err
 			}
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {

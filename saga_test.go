@@ -49,13 +49,13 @@ func sagaSteps(tb testing.TB, env *testEnv, orderID string) string {
 }
 
 // stockOf returns "available/reserved/sold" of a sku: reserved and sold are
-// its reservations.
+// its reservations, sold those of completed sagas.
 func stockOf(tb testing.TB, env *testEnv, sku string) string {
 	tb.Helper()
 	return env.str(tb, `
 		SELECT available || '/' ||
-		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved') || '/' ||
-		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'sold')
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved' AND NOT `+soldHold+`) || '/' ||
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND `+soldHold+`)
 		FROM stock_items s WHERE sku = ?`, sku)
 }
 
@@ -72,6 +72,61 @@ func failConfirm(env *testEnv, then func(point faultPoint, pass int) error) {
 			return then(point, pass)
 		}
 		return nil
+	})
+}
+
+// Ensure a sale writes no stock (schema version 13): a paid order's holds
+// stay reserved, sold because their saga completed; a database migrated
+// from version 12 counts the holds it had sold the same way; and a mark
+// of an older process, which nothing would count, is refused.
+func TestSaleWritesNoStock(t *testing.T) {
+	ctx := context.Background()
+	t.Run("PaidOrdersHoldsStayReserved", func(t *testing.T) {
+		env := MustOpenApp(t)
+		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
+		if got := env.str(t, `SELECT string_agg(status, ',') FROM stock_reservations WHERE order_id = ?`, orderID); got != string(stockReserved) {
+			t.Fatalf("the paid order's holds are %s, want reserved", got)
+		}
+		if got := stockOf(t, env, "sku-1"); got != "998/0/2" {
+			t.Fatalf("sku-1 stock %s, want 998/0/2 (the reserved hold of a completed saga is sold)", got)
+		}
+		mustAudit(t, env, true)
+	})
+	t.Run("HoldsSoldBeforeVersion13AreReserved", func(t *testing.T) {
+		target := testDatabase(t)
+		migrateTo(t, target, 12)
+		old := openUnmigrated(t, target)
+		now := formatTime(time.Now())
+		err := withTx(ctx, old, func(tx *sql.Tx) error {
+			order := orderRow{OrderID: "ord-sold", UserID: "user-42", AmountCents: 5000, Currency: "usd",
+				Items: []orderItem{{SKU: "sku-1", Qty: 2}}, PaymentMethod: pmCardVisa, Status: orderPaid, CreatedAt: now}
+			if err := insertOrder(ctx, tx, order); err != nil {
+				return err
+			}
+			_, err := tx.ExecContext(ctx, `
+				INSERT INTO stock_reservations (order_id, sku, qty, status, created_at, updated_at)
+				VALUES ('ord-sold', 'sku-1', 2, 'sold', ?, ?)`, now, now)
+			return err
+		})
+		old.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		db, err := openDB(ctx, target)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db.Close()
+		var status string
+		if err := db.QueryRowContext(ctx, `SELECT status FROM stock_reservations WHERE order_id = 'ord-sold'`).Scan(&status); err != nil {
+			t.Fatal(err)
+		}
+		if status != string(stockReserved) {
+			t.Fatalf("a hold sold at version 12 is %s at version 13, want reserved", status)
+		}
+		if _, err := db.ExecContext(ctx, `UPDATE stock_reservations SET status = 'sold' WHERE order_id = 'ord-sold'`); err == nil {
+			t.Fatal("a hold was marked sold, as a process older than version 13 would, and nothing refused it")
+		}
 	})
 }
 

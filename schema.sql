@@ -233,7 +233,7 @@ CREATE TABLE stock_reservations (
     order_id   TEXT NOT NULL REFERENCES orders (order_id),
     sku        TEXT NOT NULL REFERENCES stock_items (sku),
     qty        INTEGER NOT NULL CHECK (qty > 0),
-    -- status: reserved | released | sold
+    -- status: reserved | released (and sold, until version 13)
     status     TEXT NOT NULL CHECK (status IN ('reserved', 'released', 'sold')),
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
@@ -498,4 +498,24 @@ BEFORE UPDATE OF status ON outbox_events
 WHEN NEW.status = 'published' AND NEW.delivery_position IS NULL
 BEGIN
     SELECT RAISE(ABORT, 'a published outbox event needs its delivery_position (a process older than schema version 12?)');
+END;
+
+-- version 13
+
+-- A sale writes nothing: a hold stays reserved, and it is sold when its
+-- order's saga completed, which the confirm step writes in the same
+-- transaction as PaymentCaptured (one row written less per paid order).
+-- Sold stock is a reserved hold of a completed saga, and only a saga still
+-- running releases a hold, so available + the SKU's reservations still
+-- reserved = stocked. Holds sold before this version become reserved.
+-- A process built before this version, still running beside one that
+-- migrated, would mark its sales 'sold' again, which nothing here counts:
+-- its confirm fails instead, and the saga waits for a process that
+-- confirms the new way.
+UPDATE stock_reservations SET status = 'reserved' WHERE status = 'sold';
+CREATE TRIGGER stock_reservations_never_sold
+BEFORE UPDATE OF status ON stock_reservations
+WHEN NEW.status = 'sold'
+BEGIN
+    SELECT RAISE(ABORT, 'a sale writes no reservation status since schema version 13 (a process older than it?)');
 END;

@@ -243,7 +243,7 @@ CREATE TABLE stock_reservations (
     order_id   TEXT NOT NULL REFERENCES orders (order_id),
     sku        TEXT NOT NULL REFERENCES stock_items (sku),
     qty        BIGINT NOT NULL CHECK (qty > 0),
-    -- status: reserved | released | sold
+    -- status: reserved | released (and sold, until version 13)
     status     TEXT NOT NULL CHECK (status IN ('reserved', 'released', 'sold')),
     created_at utc_time NOT NULL,
     updated_at utc_time NOT NULL,
@@ -428,3 +428,12 @@ INSERT INTO delivery_cursor (name, position) VALUES ('outbox', pg_current_xact_i
 -- A published event always has its position: see version 12 of schema.sql.
 ALTER TABLE outbox_events ADD CONSTRAINT outbox_events_published_has_position
     CHECK (status <> 'published' OR delivery_position IS NOT NULL);
+
+-- version 13
+
+-- A sale writes nothing: a hold stays reserved, and it is sold when its
+-- order's saga completed. See version 13 of schema.sql.
+UPDATE stock_reservations SET status = 'reserved' WHERE status = 'sold';
+ALTER TABLE stock_reservations DROP CONSTRAINT stock_reservations_status_check;
+ALTER TABLE stock_reservations ADD CONSTRAINT stock_reservations_status_check
+    CHECK (status IN ('reserved', 'released'));

@@ -1,8 +1,13 @@
 // The warehouse: stock that the saga reserves, then sells or releases. Each
-// hold is a stock_reservations row, so it moves out of "reserved" exactly
-// once. A SKU's row counts what is on the shelf (available); what is
-// reserved or sold is its reservations, so available plus the SKU's
-// reservations reserved or sold always equals stocked.
+// hold is a stock_reservations row, so it is released at most once. A
+// SKU's row counts what is on the shelf (available); what is held is its
+// reservations, so available plus the SKU's reservations still reserved
+// always equals stocked.
+//
+// A sale writes nothing here: a hold is sold when its saga completed,
+// which the confirm step records in the same transaction as
+// PaymentCaptured (schema version 13). Sold stock is a reservation of a
+// completed saga, and only a saga still running can release one.
 
 package main
 
@@ -13,13 +18,17 @@ import (
 	"time"
 )
 
+// soldHold is the SQL condition of a hold that is sold, on a
+// stock_reservations row named r: still reserved, and its saga completed.
+const soldHold = `(r.status = 'reserved' AND EXISTS (SELECT 1 FROM saga_instances sold_by
+	WHERE sold_by.order_id = r.order_id AND sold_by.status = 'completed'))`
+
 // reservationStatus is stock_reservations.status.
 type reservationStatus string
 
 const (
 	stockReserved reservationStatus = "reserved"
 	stockReleased reservationStatus = "released"
-	stockSold     reservationStatus = "sold"
 )
 
 // reserveStock holds every item of order, in tx. Returns errOutOfStock
@@ -52,22 +61,16 @@ func reserveStock(ctx context.Context, tx *sql.Tx, order orderRow, now time.Time
 	return nil
 }
 
-// settleReservations moves every hold of an order that is still reserved to
-// to (sold or released); a release puts the stock back on the shelf, a sale
-// writes nothing more (sold stock is its reservation's row). Holds already
-// settled are left alone.
-func settleReservations(ctx context.Context, tx *sql.Tx, orderID string, to reservationStatus, now time.Time) error {
-	switch to {
-	case stockSold, stockReleased:
-	default:
-		return fmt.Errorf("bug: unhandled reservation status %q", to)
-	}
+// releaseReservations puts every hold of an order that is still reserved
+// back on the shelf, and marks it released: the compensation of
+// reserveStock. Holds already released are left alone.
+func releaseReservations(ctx context.Context, tx *sql.Tx, orderID string, now time.Time) error {
 	rows, err := tx.QueryContext(ctx, `
 		UPDATE stock_reservations SET status = ?, updated_at = ?
 		WHERE order_id = ? AND status = ?
-		RETURNING sku, qty`, to, formatTime(now), orderID, stockReserved)
+		RETURNING sku, qty`, stockReleased, formatTime(now), orderID, stockReserved)
 	if err != nil {
-		return fmt.Errorf("settle reservations of %s: %w", orderID, err)
+		return fmt.Errorf("release reservations of %s: %w", orderID, err)
 	}
 	type hold struct {
 		sku string
@@ -83,18 +86,15 @@ func settleReservations(ctx context.Context, tx *sql.Tx, orderID string, to rese
 		holds = append(holds, h)
 	}
 	if err := rows.Close(); err != nil {
-		return fmt.Errorf("settle reservations of %s: %w", orderID, err)
+		return fmt.Errorf("release reservations of %s: %w", orderID, err)
 	}
 	if err := rows.Err(); err != nil {
-		return fmt.Errorf("settle reservations of %s: %w", orderID, err)
-	}
-	if to == stockSold {
-		return nil
+		return fmt.Errorf("release reservations of %s: %w", orderID, err)
 	}
 	for _, h := range holds {
 		_, err := tx.ExecContext(ctx, `UPDATE stock_items SET available = available + ? WHERE sku = ?`, h.qty, h.sku)
 		if err != nil {
-			return fmt.Errorf("settle %s: %w", h.sku, err)
+			return fmt.Errorf("release %s: %w", h.sku, err)
 		}
 	}
 	return nil
