@@ -358,17 +358,7 @@ func TestDelivery(t *testing.T) {
 	// replay writes the other consumer's row again first.
 	t.Run("ReplayLostAfterCleanupIsRepublished", func(t *testing.T) {
 		env := MustOpenApp(t)
-		broken, applied := true, 0
-		analytics := consumer{name: "analytics", subjects: []string{eventOrderCreated}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
-			if broken {
-				return permanent(errors.New("a bug of the analytics release"))
-			}
-			applied++
-			return nil
-		}}
-		if err := env.app.addConsumer(ctx, analytics); err != nil {
-			t.Fatal(err)
-		}
+		analytics, broken, applied := addBrokenAnalytics(t, env)
 		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
 		env.drain(t)
 		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = 'analytics' AND status = 'poison'`); got != 1 {
@@ -381,7 +371,7 @@ func TestDelivery(t *testing.T) {
 		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?`, paymentServiceConsumer); got != 0 {
 			t.Fatalf("cleanup kept %d inbox rows of the payment service, want its week-old row deleted", got)
 		}
-		broken = false
+		*broken = false
 		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: "analytics", AllPoison: true}); err != nil {
 			t.Fatal(err)
 		}
@@ -396,14 +386,53 @@ func TestDelivery(t *testing.T) {
 			t.Fatal(err)
 		}
 		env.drain(t)
-		if applied != 1 {
-			t.Fatalf("analytics applied the event %d times, want 1", applied)
+		if *applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", *applied)
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE status = 'poison'`); got != 0 {
 			t.Fatalf("%d poison messages after the copy, want none", got)
 		}
 		if got := env.count(t, `SELECT COUNT(*) FROM processor_charges WHERE order_id = ?`, order); got != 1 {
 			t.Fatalf("got %d charges, want 1", got)
+		}
+	})
+
+	// Ensure a replay writes no inbox row for a consumer that has not
+	// applied the event when the reconciler's cursor sits exactly at it
+	// (stopped there because that consumer lacks it): only an event the
+	// cursor has passed was applied by every consumer. With the cursor's
+	// own position counted as passed, the payment service got a row it
+	// never applied, its copy was skipped as a duplicate, and the order
+	// was never paid.
+	t.Run("ReplayOfAnEventAtTheCursorLeavesTheOthersToApplyIt", func(t *testing.T) {
+		env := MustOpenApp(t)
+		analytics, broken, applied := addBrokenAnalytics(t, env)
+		order := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(100, "sku-1", 1, pmCardVisa)).Body, "order_id")
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.consumeOnce(ctx, analytics, consumeBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := env.app.reconcileOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM outbox_events WHERE delivery_position = `+deliveryCursor); got != 1 {
+			t.Fatalf("%d events at the cursor, want the OrderCreated the payment service has not applied", got)
+		}
+		*broken = false
+		if _, err := env.app.replayInboxMessages(ctx, "alice", inboxReplayTarget{Consumer: "analytics", AllPoison: true}); err != nil {
+			t.Fatal(err)
+		}
+		if got := env.count(t, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ?`, paymentServiceConsumer); got != 0 {
+			t.Fatalf("the replay wrote %d inbox rows for the payment service, which has not applied the event", got)
+		}
+		env.drain(t)
+		if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, order); got != string(orderPaid) {
+			t.Fatalf("order is %s, want paid", got)
+		}
+		if *applied != 1 {
+			t.Fatalf("analytics applied the event %d times, want 1", *applied)
 		}
 	})
 
@@ -657,4 +686,24 @@ func mustRepublishOneAndPay(t *testing.T, env *testEnv, orderID, lost string) {
 	if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != "paid" {
 		t.Fatalf("order %s is %s, want paid", orderID, got)
 	}
+}
+
+// addBrokenAnalytics adds a second consumer of OrderCreated to env, which
+// records every message poison while *broken (a bug of its release) and
+// counts in *applied what it applies once fixed.
+func addBrokenAnalytics(t *testing.T, env *testEnv) (analytics consumer, broken *bool, applied *int) {
+	t.Helper()
+	broken, applied = new(bool), new(int)
+	*broken = true
+	analytics = consumer{name: "analytics", subjects: []string{eventOrderCreated}, apply: func(ctx context.Context, tx *sql.Tx, msg message) error {
+		if *broken {
+			return permanent(errors.New("a bug of the analytics release"))
+		}
+		*applied++
+		return nil
+	}}
+	if err := env.app.addConsumer(context.Background(), analytics); err != nil {
+		t.Fatal(err)
+	}
+	return analytics, broken, applied
 }

@@ -285,6 +285,14 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:    "ReplayCountsTheCursorAsPassed",
+			catcher: "TestDelivery/ReplayOfAnEventAtTheCursorLeavesTheOthersToApplyIt",
+			fault:   "review: an operator's replay counts an event at the reconciler's cursor as passed, and writes an inbox row for each other consumer of it, though one that stopped the cursor there has not applied it",
+			edits: []mutationEdit{
+				{"repair.go", "\t\t\t\t  AND (e.delivery_position < `+deliveryCursor+`", "\t\t\t\t  AND (e.delivery_position <= `+deliveryCursor+`"},
+			},
+		},
+		{
 			name:    "PositionBelowTheCursorAfterCleanup",
 			catcher: "TestDelivery/EventAfterCleanupEmptiedTheOutboxIsWatched",
 			fault:   "on SQLite a publish stamps one more than the largest position left, which once cleanup has deleted the events the cursor passed is below the cursor: the reconciler never reads the event",
