@@ -384,6 +384,22 @@ func (p *serverProcess) run(ctx context.Context, cmd *exec.Cmd, addr, name strin
 	}
 }
 
+// exited reports whether the process it ran last has exited.
+func (p *serverProcess) exited() bool {
+	p.mu.Lock()
+	done := p.done
+	p.mu.Unlock()
+	if done == nil {
+		return false
+	}
+	select {
+	case <-done:
+		return true
+	default:
+		return false
+	}
+}
+
 // stop shuts the server down (SIGTERM, as an operator's restart does; a
 // paused one is continued first), or kills it if it has not within 10 s,
 // and waits for it to be gone.

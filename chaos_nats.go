@@ -31,6 +31,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -72,6 +73,10 @@ type natsNode struct {
 // on loopback: one, or three forming a JetStream cluster. The shared
 // server is never touched.
 type natsCluster struct {
+	// name is the cluster's, its own among the clusters of every run on
+	// the machine: a server of another run's cluster that reaches one of
+	// its ports is refused, not joined.
+	name  string
 	nodes []*natsNode
 	// syncAlways is set when the servers run with sync_interval: always
 	// (nats-server 2.10 and later; 2.9 rejects the setting).
@@ -80,12 +85,45 @@ type natsCluster struct {
 	js         jetstream.JetStream
 }
 
+// natsStartAttempts is how often startNATSCluster starts a cluster on new
+// ports when a server of the last attempt exited at start.
+const natsStartAttempts = 3
+
 // startNATSCluster starts size nats-servers from binary with JetStream,
 // each storing under dir/<name>, with sync_interval: always if syncAlways
 // and the binary knows the setting, and waits until a stream of size
 // replicas can be created.
+//
+// Its ports are free when it picks them (freeLoopbackAddr), but another
+// process may take one before the server binds it: a test beside this one
+// restarting its own server on the port it had, say. The server then
+// exits, and the cluster never has all its members; so a server that
+// exits before the cluster is ready has the whole cluster started again,
+// on new ports, in a new directory.
 func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlways bool, log io.Writer) (*natsCluster, error) {
-	cluster := &natsCluster{}
+	for attempt := 1; ; attempt++ {
+		cluster, err := tryNATSCluster(ctx, binary, filepath.Join(dir, fmt.Sprintf("start-%d", attempt)), size, syncAlways, log)
+		if !errors.Is(err, errNATSNodeExited) || attempt == natsStartAttempts {
+			return cluster, err
+		}
+		fmt.Fprintf(log, "%v; starting the cluster again on new ports\n", err)
+	}
+}
+
+// natsPortPicker picks each port of a cluster's servers: freeLoopbackAddr,
+// or in a test, a port it took first.
+var natsPortPicker = freeLoopbackAddr
+
+// errNATSNodeExited is a server of a cluster exiting before the cluster was
+// ready.
+var errNATSNodeExited = errors.New("a nats-server exited at start")
+
+// natsClusters counts the clusters this process started, for their names.
+var natsClusters atomic.Int64
+
+// tryNATSCluster is one attempt of startNATSCluster, in dir.
+func tryNATSCluster(ctx context.Context, binary, dir string, size int, syncAlways bool, log io.Writer) (*natsCluster, error) {
+	cluster := &natsCluster{name: fmt.Sprintf("retrysafe-chaos-%d-%d", os.Getpid(), natsClusters.Add(1))}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -93,7 +131,7 @@ func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlw
 		node := &natsNode{name: fmt.Sprintf("n%d", i+1), dir: filepath.Join(dir, fmt.Sprintf("n%d", i+1)), binary: binary, log: log}
 		for _, addr := range []*string{&node.clientAddr, &node.clusterAddr, &node.monitorAddr} {
 			var err error
-			if *addr, err = freeLoopbackAddr(); err != nil {
+			if *addr, err = natsPortPicker(); err != nil {
 				return nil, err
 			}
 		}
@@ -115,6 +153,9 @@ func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlw
 	for _, node := range cluster.nodes {
 		if err := node.start(ctx); err != nil {
 			cluster.stop()
+			if node.exited() {
+				err = fmt.Errorf("%w: %w", errNATSNodeExited, err)
+			}
 			return nil, err
 		}
 	}
@@ -144,6 +185,14 @@ func startNATSCluster(ctx context.Context, binary, dir string, size int, syncAlw
 		if err == nil {
 			return cluster, nil
 		}
+		// Its client port answered, but maybe another process's server
+		// did, on a port this one could not bind.
+		for _, node := range cluster.nodes {
+			if node.exited() {
+				cluster.stop()
+				return nil, fmt.Errorf("%w: nats-server %s (see the process log)", errNATSNodeExited, node.name)
+			}
+		}
 		select {
 		case <-ctx.Done():
 			cluster.stop()
@@ -171,7 +220,7 @@ func (c *natsCluster) writeConfigs(syncAlways bool) error {
 					routes = append(routes, "nats-route://"+other.clusterAddr)
 				}
 			}
-			fmt.Fprintf(&config, "cluster {\n  name: retrysafe-chaos\n  listen: %s\n  routes: [%s]\n}\n", node.clusterAddr, strings.Join(routes, ", "))
+			fmt.Fprintf(&config, "cluster {\n  name: %s\n  listen: %s\n  routes: [%s]\n}\n", c.name, node.clusterAddr, strings.Join(routes, ", "))
 		}
 		if err := os.WriteFile(node.config, []byte(config.String()), 0o644); err != nil {
 			return fmt.Errorf("write %s: %w", node.config, err)

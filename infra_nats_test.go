@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -638,6 +639,47 @@ func startTestNATS(tb testing.TB, size int, syncAlways bool) *natsCluster {
 		tb.Skipf("%s does not know sync_interval: always (nats-server before 2.10)", binary)
 	}
 	return cluster
+}
+
+// Ensure a cluster whose server finds its port taken (by another process,
+// after startNATSCluster picked it free) is started again on new ports,
+// instead of waiting, a member short, for a stream it can never place: a
+// test that started its own cluster beside a soak restarting its servers
+// failed that way ("no suitable peers for placement").
+func TestNATSClusterStartsAgainWhenAPortIsTaken(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	// It answers, as another process's server would: the server given
+	// it as its client port exits, while its port still accepts.
+	go func() {
+		for {
+			conn, err := taken.Accept()
+			if err != nil {
+				return
+			}
+			conn.Close()
+		}
+	}()
+	picks := 0
+	natsPortPicker = func() (string, error) {
+		picks++
+		if picks == 4 {
+			// The second server's client port.
+			return taken.Addr().String(), nil
+		}
+		return freeLoopbackAddr()
+	}
+	defer func() { natsPortPicker = freeLoopbackAddr }()
+	cluster := startTestNATS(t, 3, false)
+	if picks != 18 {
+		t.Fatalf("picked %d ports, want 18: two starts of three servers with three ports each", picks)
+	}
+	if strings.Contains(cluster.url(), taken.Addr().String()) {
+		t.Fatalf("the cluster %s still has the port that was taken", cluster.url())
+	}
 }
 
 func TestNATSDurability(t *testing.T) {
