@@ -175,6 +175,11 @@ func (a *App) advanceDeliveryCursor(ctx context.Context) error {
 	if next <= cursor {
 		return nil
 	}
+	if err := a.fault.at(ctx, faultBeforeCursorMove); err != nil {
+		return err
+	}
+	// Only up: a sweep that read before another moved the cursor past
+	// next, and writes after it, must not set it back.
 	_, err = a.db.ExecContext(ctx, `UPDATE delivery_cursor SET position = ? WHERE name = 'outbox' AND position < ?`, next, next)
 	if err != nil {
 		return fmt.Errorf("move the delivery cursor: %w", err)

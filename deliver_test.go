@@ -571,6 +571,49 @@ func TestDelivery(t *testing.T) {
 		mustAudit(t, env, true)
 	})
 
+	// Ensure the cursor only moves up: a sweep paused between reading
+	// where the cursor may go and moving it, while other sweeps move it
+	// further, leaves it where they put it when it wakes. Set back, the
+	// events in between would be read by every sweep again, and cleanup's
+	// deletions would no longer all lie below the cursor.
+	t.Run("SweepPausedBeforeItsMoveNeverSetsTheCursorBack", func(t *testing.T) {
+		env := MustOpenApp(t)
+		createAndDrain(t, env, "k1", orderBody(100, "sku-1", 1, pmCardVisa))
+		mustCreateOrder(t, env, "user-42", "k2", orderBody(100, "sku-1", 1, pmCardVisa))
+		if _, err := env.app.relayOnce(ctx, "relay-1", relayBatchSize); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range env.app.consumers() {
+			if _, err := env.app.consumeOnce(ctx, c, consumeBatchSize); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var furthest int64
+		paused := false
+		env.fault.setCtx(func(ctx context.Context, point faultPoint, pass int) error {
+			if point != faultBeforeCursorMove || paused {
+				return nil
+			}
+			// Paused: meanwhile the order is paid, and other sweeps
+			// move the cursor past its PaymentCaptured.
+			paused = true
+			env.drain(t)
+			furthest = int64(env.count(t, `SELECT position FROM delivery_cursor WHERE name = 'outbox'`))
+			return nil
+		})
+		if err := env.app.advanceDeliveryCursor(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if !paused {
+			t.Fatal("the sweep had nowhere to move the cursor")
+		}
+		if got := int64(env.count(t, `SELECT position FROM delivery_cursor WHERE name = 'outbox'`)); got != furthest {
+			t.Fatalf("the cursor is at %d after the paused sweep woke, want %d, where the other sweeps put it", got, furthest)
+		}
+		env.fault.set(nil)
+		mustAudit(t, env, true)
+	})
+
 	// Ensure cleanup moves the reconciler's cursor before it deletes: an
 	// event applied a week ago, which no sweep had passed since, is
 	// deleted with its inbox rows, not kept for ever.

@@ -58,6 +58,11 @@ const (
 	// faultRefundAfterProcessor: the processor refunded, the key is not
 	// finished.
 	faultRefundAfterProcessor faultPoint = "refund.after_processor_call"
+	// faultBeforeCursorMove: the reconciler has read how far the delivery
+	// cursor may move, and has not moved it. A sweep paused here moves it,
+	// when it wakes, to where it could go then, which another sweep may
+	// have passed since.
+	faultBeforeCursorMove faultPoint = "deliver.before_cursor_move"
 	// faultProcessorLoseRequest: a charge or refund request is lost on the
 	// way to the processor, which never sees it. The caller sees the same
 	// timeout as for a lost response and cannot tell the two apart: only
@@ -91,6 +96,7 @@ func allFaultPoints() []faultPoint {
 		faultRefundKeyClaimed,
 		faultRefundStarted,
 		faultRefundAfterProcessor,
+		faultBeforeCursorMove,
 		faultProcessorLoseRequest,
 		faultProcessorLoseResponse,
 		faultProcessorRetrieve,

@@ -293,6 +293,15 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:    "CursorMovesBack",
+			catcher: "TestDelivery/SweepPausedBeforeItsMoveNeverSetsTheCursorBack",
+			fault:   "review: the reconciler's sweep moves the delivery cursor to where it read it could go, even when another sweep has moved it further since",
+			edits: []mutationEdit{
+				{"deliver.go", "WHERE name = 'outbox' AND position < ?`, next, next)", "WHERE name = 'outbox' AND ? > 0`, next, next)"},
+			},
+			simulatorMisses: "a cursor set back is still true, for every event below it was delivered: sweeps read more and cleanup keeps more, which changes no outcome the simulator judges",
+		},
+		{
 			name:    "PositionBelowTheCursorAfterCleanup",
 			catcher: "TestDelivery/EventAfterCleanupEmptiedTheOutboxIsWatched",
 			fault:   "on SQLite a publish stamps one more than the largest position left, which once cleanup has deleted the events the cursor passed is below the cursor: the reconciler never reads the event",
