@@ -855,3 +855,35 @@ func TestSagaRoundKnowsWhatItWrote(t *testing.T) {
 		t.Fatalf("%d sagas completed; want 2", got)
 	}
 }
+
+// Ensure releasing an order's holds twice puts its stock back once: a hold
+// already released is left alone. Today its one caller releases in the
+// transaction that records the step compensated, once; a second caller (a
+// repair, a release moved out of that transaction) must not put released
+// stock back on the shelf again.
+func TestReleaseReservationsTwicePutsBackOnce(t *testing.T) {
+	env := MustOpenApp(t)
+	ctx := context.Background()
+	order := orderRow{OrderID: "ord-release", UserID: "user-42", AmountCents: 5000, Currency: "usd",
+		Items: []orderItem{{SKU: "sku-1", Qty: 2}}, PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: formatTime(env.clock.now())}
+	err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+		if err := insertOrder(ctx, tx, order); err != nil {
+			return err
+		}
+		return reserveStock(ctx, tx, order, env.clock.now())
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
+			return releaseReservations(ctx, tx, order.OrderID, env.clock.now())
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
+		t.Fatalf("sku-1 stock %s after two releases, want 1000/0/0", got)
+	}
+}
