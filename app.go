@@ -134,6 +134,8 @@ type App struct {
 	// paid for a look that found nothing, and the write path's look
 	// answers a replay just as well, in the one transaction.
 	createReadsInTx bool
+	// stockedSKUs holds the SKUs checkSKUs found stocked.
+	stockedSKUs sync.Map
 	// sagaCallsSideBySide makes the processor calls of a saga round side
 	// by side rather than one after another (sagaCalls). serve and worker
 	// set it on PostgreSQL (startWorkerLoops); on SQLite, and wherever a

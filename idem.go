@@ -423,7 +423,7 @@ func (a *App) checkSKUsInTx(ctx context.Context, tx *sql.Tx, items []orderItem) 
 	if !a.createReadsInTx {
 		return nil
 	}
-	return checkSKUs(ctx, tx, items)
+	return a.checkSKUs(ctx, tx, items)
 }
 
 // newOrderCreated returns the order that req creates, with id orderID, and

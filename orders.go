@@ -355,8 +355,16 @@ func decodeOrderRequest(body []byte) (orderRequest, error) {
 // checkSKUs returns an *invalidRequestError if an item names a SKU the
 // warehouse does not stock. Too little stock is not an input error: the saga
 // finds out and cancels the order.
-func checkSKUs(ctx context.Context, q queryer, items []orderItem) error {
+//
+// A SKU found once is not looked up again (a.stockedSKUs): nothing deletes
+// a row of stock_items, so a SKU stocked once stays known, and an order's
+// look costs no statement once its SKUs were seen. A SKU not found is
+// looked up every time: it may be stocked later.
+func (a *App) checkSKUs(ctx context.Context, q queryer, items []orderItem) error {
 	for i, item := range items {
+		if _, known := a.stockedSKUs.Load(item.SKU); known {
+			continue
+		}
 		var exists bool
 		err := q.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM stock_items WHERE sku = ?)`, item.SKU).Scan(&exists)
 		if err != nil {
@@ -365,6 +373,7 @@ func checkSKUs(ctx context.Context, q queryer, items []orderItem) error {
 		if !exists {
 			return invalidField(fmt.Sprintf("items[%d].sku", i), fmt.Sprintf("unknown sku %q", item.SKU))
 		}
+		a.stockedSKUs.Store(item.SKU, true)
 	}
 	return nil
 }

@@ -413,7 +413,7 @@ func (s *server) handleCreateOrder(w http.ResponseWriter, r *http.Request, userI
 	order, err := decodeOrderRequest(req.CanonicalBody)
 	if err == nil && !s.app.createReadsInTx {
 		// On PostgreSQL, createOrder checks them in its transaction.
-		err = checkSKUs(r.Context(), s.app.readDB, order.Items)
+		err = s.app.checkSKUs(r.Context(), s.app.readDB, order.Items)
 	}
 	if err != nil {
 		s.writeError(w, r, err)

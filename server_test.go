@@ -114,6 +114,31 @@ func TestHTTPCreateOrder(t *testing.T) {
 		}
 	})
 
+	// Ensure a SKU is looked up until it is found stocked, and only then
+	// taken as known (checkSKUs keeps the SKUs it found): an unknown SKU
+	// beside a known one is still refused, and a SKU refused while
+	// unknown is taken once it is stocked.
+	t.Run("UnknownSKUIsRefusedUntilStocked", func(t *testing.T) {
+		env := MustOpenApp(t)
+		ts := newTestServer(t, env)
+		if first := call(t, ts, "POST", "/api/orders", keyUser42, "k1", body); first.Status != 201 {
+			t.Fatalf("got %d %s, want 201", first.Status, first.Body)
+		}
+		twoItems := `{"amount_cents":5,"currency":"usd","items":[{"sku":"sku-1","qty":1},{"sku":"sku-new","qty":1}],"payment_method":"pm_card_visa"}`
+		for range 2 {
+			refused := call(t, ts, "POST", "/api/orders", keyUser42, "k2", twoItems)
+			if refused.Status != 400 || !strings.Contains(refused.Body, `items[1].sku`) {
+				t.Fatalf("got %d %s, want 400 naming items[1].sku", refused.Status, refused.Body)
+			}
+		}
+		if _, err := env.app.db.Exec(`INSERT INTO stock_items (sku, available, stocked) VALUES ('sku-new', 5, 5)`); err != nil {
+			t.Fatal(err)
+		}
+		if taken := call(t, ts, "POST", "/api/orders", keyUser42, "k2", twoItems); taken.Status != 201 {
+			t.Fatalf("once sku-new is stocked: got %d %s, want 201", taken.Status, taken.Body)
+		}
+	})
+
 	// Ensure an Idempotency-Key that is not exactly one key is refused, as
 	// two header lines are, with a 400 naming the header, by every endpoint
 	// that takes one, and nothing is stored. A proxy may fold two lines
