@@ -385,6 +385,132 @@ func TestPostgresRunsSagasSideBySide(t *testing.T) {
 	}
 }
 
+// TestPostgresSagaCallsRunBesideTheRound checks that a saga round's
+// processor calls run beside its transaction on PostgreSQL
+// (sagaCallsSideBySide), not before it: while one saga's charge is being
+// asked for, another saga's step is written. Saga Y is started first;
+// during its charge, saga X is started and reserves in the next round, so
+// the round after has X's charge and Y's confirm. X's call and the confirm
+// wait for each other, which a call made before the transaction could
+// never let happen.
+func TestPostgresSagaCallsRunBesideTheRound(t *testing.T) {
+	if !onPostgres() {
+		t.Skip("SQLite makes a round's processor calls before its transaction")
+	}
+	target := testDatabase(t)
+	ctx := context.Background()
+	var app *App
+	var api *httptest.Server
+	var mu sync.Mutex
+	calls, orderX, xCalled := 0, "", false
+	callOut, stepMet := make(chan struct{}), make(chan struct{})
+	var closeStepMet sync.Once
+	// xReserved says whether X's reserve_stock is committed.
+	xReserved := func(ctx context.Context, orderX string) (bool, error) {
+		var n int
+		err := app.db.QueryRowContext(ctx, `
+			SELECT COUNT(*) FROM saga_steps s JOIN saga_instances i ON i.saga_id = s.saga_id
+			WHERE i.order_id = ? AND s.step_name = ?`, orderX, stepReserveStock).Scan(&n)
+		return n == 1, err
+	}
+	fault := func(ctx context.Context, point faultPoint) error {
+		mu.Lock()
+		call, x, called := calls+1, orderX, xCalled
+		if point == faultBeforeProcessorCall {
+			calls = call
+		}
+		mu.Unlock()
+		switch {
+		case point == faultBeforeProcessorCall && call == 1:
+			// Y's charge: start X's saga meanwhile.
+			x, err := startSagaOf(app, api.URL, "beside-x")
+			mu.Lock()
+			orderX = x
+			mu.Unlock()
+			return err
+		case point == faultBeforeProcessorCall && call == 2:
+			// X's charge: wait for a step written beside it.
+			close(callOut)
+			select {
+			case <-stepMet:
+			case <-time.After(10 * time.Second):
+			}
+			mu.Lock()
+			xCalled = true
+			mu.Unlock()
+		case point == faultAfterStepEffect && x != "" && !called:
+			// A step once X has reserved, before X's charge was asked for:
+			// Y's confirm, in the round of X's charge.
+			if reserved, err := xReserved(ctx, x); err != nil || !reserved {
+				return err
+			}
+			select {
+			case <-callOut:
+				closeStepMet.Do(func() { close(stepMet) })
+			case <-time.After(10 * time.Second):
+			}
+		}
+		return nil
+	}
+	var err error
+	app, err = openApp(ctx, target, nil, nil, fault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { app.db.Close() })
+	app.sagaCallsSideBySide = true
+	api = serveInProcess(t, app, target, false)
+	if _, err := startSagaOf(app, api.URL, "beside-y"); err != nil {
+		t.Fatal(err)
+	}
+	// One pass takes Y, then X, to their ends.
+	if _, err := app.sagaOnce(ctx, "worker-1", sagaBatchSize); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 2 {
+		t.Fatalf("%d processor calls, want 2 (Y's charge, then X's)", calls)
+	}
+	select {
+	case <-stepMet:
+	default:
+		t.Fatal("no step was written while X's charge was being asked for: the round made its calls before its transaction")
+	}
+	env := &testEnv{app: app}
+	if got := env.count(t, `SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'`); got != 2 {
+		t.Fatalf("%d sagas completed, want 2", got)
+	}
+}
+
+// startSagaOf creates an order under key through the API at url, and
+// runs the relay and the payment consumer until its saga is started.
+// Returns the order's id.
+func startSagaOf(app *App, url, key string) (string, error) {
+	ctx := context.Background()
+	status, answer, err := postOrder(benchClient(1), url, key, orderBody(5000, "sku-1", 1, pmCardVisa))
+	if err != nil || status != http.StatusCreated {
+		return "", fmt.Errorf("POST: got %d %s, %v; want 201", status, answer, err)
+	}
+	var order struct {
+		OrderID string `json:"order_id"`
+	}
+	if err := json.Unmarshal(answer, &order); err != nil {
+		return "", fmt.Errorf("decode %s: %v", answer, err)
+	}
+	for started := 0; started == 0; {
+		if _, err := app.relayOnce(ctx, "test-relay", relayBatchSize); err != nil {
+			return "", err
+		}
+		if _, err := app.consumeOnce(ctx, app.consumers()[0], consumeBatchSize); err != nil {
+			return "", err
+		}
+		err := app.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM saga_instances WHERE order_id = ?`, order.OrderID).Scan(&started)
+		if err != nil {
+			return "", err
+		}
+	}
+	return order.OrderID, nil
+}
+
 // Ensure two and three processes starting at once on one database, new or
 // at any older schema version, all start, and leave it at this program's
 // version. On PostgreSQL a waiter on the migration lock used to read the
