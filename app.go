@@ -137,12 +137,10 @@ type App struct {
 	// stockedSKUs holds the SKUs checkSKUs found stocked.
 	stockedSKUs sync.Map
 	// sagaCallsSideBySide makes the processor calls of a saga round side
-	// by side rather than one after another (sagaCalls), and beside the
-	// round's transaction rather than before it: the answers are recorded
-	// in the next round's (sagaRound). serve and worker set it on
-	// PostgreSQL (startWorkerLoops); on SQLite, and wherever a pass must
-	// be the same every time (the demo, tests, the simulator), they run
-	// in order, before the transaction that records them.
+	// by side rather than one after another (sagaCalls). serve and worker
+	// set it on PostgreSQL (startWorkerLoops); on SQLite, and wherever a
+	// pass must be the same every time (the demo, tests, the simulator),
+	// they run in order.
 	sagaCallsSideBySide bool
 	// log records each background action (a relay publish, an inbox
 	// outcome, a saga step) with its order id; serve, relay and worker

@@ -8,8 +8,7 @@
 // then), and every write it makes for a saga ends with advanceSaga's
 // compare-and-set on the saga's lease token (saga.go), so a worker paused
 // past its lease writes nothing. It advances the claimed sagas together,
-// in rounds: a round makes its card charges outside any transaction (on
-// PostgreSQL beside the round's transaction, recorded by the next), and
+// in rounds: a round makes its card charges outside any transaction, then
 // runs every saga's step in one transaction with a savepoint per saga, so
 // a round costs one commit, not one per saga; the same commit claims the
 // sagas started meanwhile, runs the first step of each, and reads the
@@ -47,9 +46,8 @@ func sagaBackoff(attempts int) time.Duration {
 // A round takes every claimed saga one step: the card calls of the round
 // first, outside any transaction (sagaCalls), then every saga's local step,
 // or the record of its call, in one transaction with a savepoint per saga
-// (sagaStepIn). (Side by side, the calls run beside the transaction, and
-// the next round records them.) One commit per round, not one per saga
-// and step. A compensating saga runs compensate, to its end, in its round.
+// (sagaStepIn). One commit per round, not one per saga and step. A
+// compensating saga runs compensate, to its end, in its round.
 //
 // The same transaction claims the sagas that became due, up to max in
 // all, and runs the first step of each right away (admitSagas), so a saga
@@ -299,9 +297,6 @@ type sagaRun struct {
 	// renewed: the last round's commit recorded a step of this saga, and
 	// renewed its lease with it (advanceSaga).
 	renewed bool
-	// toRecord: the processor was called for step beside the last round's
-	// transaction (a.sagaCallsSideBySide); this round records the answer.
-	toRecord bool
 	// span is the span of what this round does to the saga (tracing.go).
 	span trace.Span
 }
@@ -346,12 +341,8 @@ func (n sagaNext) String() string {
 // transaction before it read of each (run.read; a saga not read there is
 // read first): a compensating saga runs compensate on its own
 // (runCompensation); for the others, the round makes its processor calls,
-// then runs every saga's step in one transaction. With
-// a.sagaCallsSideBySide the calls run beside that transaction instead,
-// and the next round's records their answers (run.toRecord): a round
-// takes as long as the slower of the two, not both, and the sagas it
-// claims are claimed beside the calls, not after them. It returns the
-// sagas that go on. Every write ends with advanceSaga (in the write's own
+// then runs every saga's step in one transaction. It returns the sagas
+// that go on. Every write ends with advanceSaga (in the write's own
 // savepoint), and a status only moves forward (in_progress -> completed,
 // or in_progress -> compensating -> compensated | compensation_failed): a
 // worker acting on what it read before a pause can neither record a step
@@ -370,12 +361,9 @@ func (n sagaNext) String() string {
 // failing (nothing of the round's transaction is committed then; the sagas
 // come back when their leases pass).
 func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*sagaRun, claim bool, failures *[]error) (_ []*sagaRun, claimed int, leftBehind bool, _ error) {
-	var unread, recording []*sagaRun
+	var unread []*sagaRun
 	for _, run := range runs {
-		switch {
-		case run.toRecord:
-			recording = append(recording, run)
-		case run.read == nil:
+		if run.read == nil {
 			unread = append(unread, run)
 		}
 	}
@@ -388,9 +376,6 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 	}
 	var again, stepping []*sagaRun
 	for _, run := range runs {
-		if run.toRecord {
-			continue
-		}
 		startSagaRound(run)
 		if run.unexpected == nil && run.action.kind == actionCompensate {
 			next, err := a.runCompensation(ctx, run)
@@ -411,37 +396,13 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 		}
 	}
 	runs = stepping
-	// The calls run before the transaction that records them, or, side
-	// by side, beside this round's, to be recorded in the next's: a
-	// round then waits for the slower of the two, not for both.
-	var calling []*sagaRun
-	if a.sagaCallsSideBySide {
-		runs, calling = nil, nil
-		for _, run := range stepping {
-			if needsCall(run) {
-				calling = append(calling, run)
-			} else {
-				runs = append(runs, run)
-			}
-		}
-	}
 	if err := a.sagaCalls(ctx, runs); err != nil {
-		failSagaSpans(stepping, err)
+		failSagaSpans(runs, err)
 		return nil, 0, false, err
 	}
-	callsDone := make(chan error, 1)
-	if len(calling) == 0 {
-		callsDone <- nil
-	} else {
-		go func() {
-			// Ends before sagaRound returns, which waits for callsDone.
-			callsDone <- a.sagaCalls(ctx, calling)
-		}()
-	}
-	runs = append(recording, runs...)
 	var steps, admittedSteps []sagaStepOutcome
 	var admitted []*sagaRun
-	roundTx := func(tx *sql.Tx, undo *itemUndo) error {
+	err := withItems(ctx, a.db, withFencedTx, func(tx *sql.Tx, undo *itemUndo) error {
 		var err error
 		steps, err = a.stepAll(ctx, tx, undo, runs)
 		if err != nil {
@@ -458,12 +419,12 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 			}
 		}
 		admitted, admittedSteps, leftBehind = nil, nil, claim
-		if room := max - len(next) - len(calling); claim && room > 0 {
-			admitted, admittedSteps, err = a.admitSagas(ctx, tx, undo, workerID, room)
+		if claim && len(next) < max {
+			admitted, admittedSteps, err = a.admitSagas(ctx, tx, undo, workerID, max-len(next))
 			if err != nil {
 				return err
 			}
-			leftBehind = len(admitted) == room
+			leftBehind = len(admitted) == max-len(next)
 		}
 		for i, run := range admitted {
 			if admittedSteps[i].next == sagaAgain {
@@ -471,24 +432,10 @@ func (a *App) sagaRound(ctx context.Context, workerID string, max int, runs []*s
 			}
 		}
 		return a.readSagaRuns(ctx, tx, next)
-	}
-	var err error
-	if len(runs) > 0 || claim {
-		// (A round whose sagas are all calling, and that claims nothing,
-		// has nothing to write.)
-		err = withItems(ctx, a.db, withFencedTx, roundTx)
-	}
-	err = errors.Join(err, <-callsDone)
+	})
 	if err != nil {
-		failSagaSpans(slices.Concat(runs, admitted, calling), err)
+		failSagaSpans(append(runs, admitted...), err)
 		return nil, 0, false, err
-	}
-	for _, run := range calling {
-		run.toRecord = true
-		again = append(again, run)
-	}
-	for _, run := range recording {
-		run.toRecord = false
 	}
 	wroteEvent := false
 	all, outcomes := append(slices.Clone(runs), admitted...), append(slices.Clone(steps), admittedSteps...)
@@ -766,7 +713,7 @@ func (a *App) inSagaTx(ctx context.Context, run *sagaRun, fn func(tx *sql.Tx, no
 func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 	var calling []*sagaRun
 	for _, run := range runs {
-		if needsCall(run) {
+		if run.unexpected == nil && run.stepOK && run.step.Name == stepChargeCard {
 			calling = append(calling, run)
 		}
 	}
@@ -834,11 +781,6 @@ func (a *App) sagaCalls(ctx context.Context, runs []*sagaRun) error {
 	}
 	wg.Wait()
 	return errors.Join(errs...)
-}
-
-// needsCall says whether run's step this round is a processor call.
-func needsCall(run *sagaRun) bool {
-	return run.unexpected == nil && run.stepOK && run.step.Name == stepChargeCard
 }
 
 // sagaCall charges the card for run (chargeCard), unless its lease is
