@@ -127,14 +127,16 @@ type App struct {
 	// once, when the App is wired: the layers have no demo branches.
 	entry layerEntries
 	// createReadsInTx makes the create path read what it checks (is the
-	// key settled, does each SKU exist) in its own transaction rather
-	// than first, outside it, on a read connection. Set in newApp on
+	// key settled, does each SKU it has not seen exist) in its own
+	// transaction rather than first, outside it, on a read connection.
+	// Set in newApp on
 	// PostgreSQL, which has no read connection beside the pool: there a
 	// read outside a transaction is a transaction of its own, a fresh key
 	// paid for a look that found nothing, and the write path's look
 	// answers a replay just as well, in the one transaction.
 	createReadsInTx bool
-	// stockedSKUs holds the SKUs checkSKUs found stocked.
+	// stockedSKUs holds the SKUs checkSKUs found stocked, which it need
+	// not look up again: no code deletes a row of stock_items.
 	stockedSKUs sync.Map
 	// sagaCallsSideBySide makes the processor calls of a saga round side
 	// by side rather than one after another (sagaCalls). serve and worker

@@ -219,7 +219,8 @@ CREATE TABLE saga_steps (
 
 -- stock_items is the warehouse: available + reserved + sold always equals
 -- stocked. (Since version 11 reserved and sold are counted from
--- stock_reservations instead.)
+-- stock_reservations instead.) No code deletes a row: the create path
+-- remembers the SKUs it found here (checkSKUs).
 CREATE TABLE stock_items (
     sku       TEXT PRIMARY KEY,
     available INTEGER NOT NULL CHECK (available >= 0),
