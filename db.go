@@ -102,6 +102,10 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
+	// The writer checkpoints only past checkpointBackstop pages of log; the
+	// checkpointer does it before then, beside the writer (see
+	// infra_checkpoint.go).
+	dsn += fmt.Sprintf("&_pragma=wal_autocheckpoint(%d)", checkpointBackstop)
 	connector, err := sqlite.NewConnector(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
@@ -110,9 +114,14 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
+	checkpoints, err := startCheckpointer(path, checkpointEvery)
+	if err != nil {
+		readers.Close()
+		return nil, err
+	}
 	// Each connection keeps its prepared statements (see infra_statements.go);
-	// closing db closes its readers too.
-	db := sql.OpenDB(sqliteConnector{Connector: connector, readers: readers})
+	// closing db closes its readers and its checkpointer too.
+	db := sql.OpenDB(sqliteConnector{Connector: connector, readers: readers, checkpoints: checkpoints})
 	// One connection per process. SQLite has one writer at a time anyway;
 	// with several connections, goroutines that want the write lock wait in
 	// SQLite's busy handler, which sleeps for milliseconds between tries.

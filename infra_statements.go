@@ -31,27 +31,37 @@ type sqliteConnector struct {
 	// readers, if set, is the pool of read connections beside this write
 	// pool (see openSQLiteReaders); it is closed with the write pool.
 	readers *sql.DB
+	// checkpoints, if set, checkpoints the file beside the writer (see
+	// infra_checkpoint.go); it hears of each commit and is closed with the
+	// write pool.
+	checkpoints *checkpointer
 }
 
-// Driver returns the SQLite driver, with the readers readersOf finds.
+// Driver returns the SQLite driver, with the readers readersOf finds and
+// the checkpointer.
 func (c sqliteConnector) Driver() driver.Driver {
-	return sqliteDriver{Driver: c.Connector.Driver(), readers: c.readers}
+	return sqliteDriver{Driver: c.Connector.Driver(), readers: c.readers, checkpoints: c.checkpoints}
 }
 
-// Close closes the readers. database/sql calls it when the write pool is
-// closed.
+// Close closes the readers and the checkpointer. database/sql calls it when
+// the write pool is closed.
 func (c sqliteConnector) Close() error {
-	if c.readers == nil {
-		return nil
+	var errs []error
+	if c.checkpoints != nil {
+		errs = append(errs, c.checkpoints.Close())
 	}
-	return c.readers.Close()
+	if c.readers != nil {
+		errs = append(errs, c.readers.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // sqliteDriver is the driver of a SQLite pool; readers are the read
-// connections beside it, if any.
+// connections beside it, and checkpoints its checkpointer, if any.
 type sqliteDriver struct {
 	driver.Driver
-	readers *sql.DB
+	readers     *sql.DB
+	checkpoints *checkpointer
 }
 
 // Connect opens a connection.
@@ -65,7 +75,7 @@ func (c sqliteConnector) Connect(ctx context.Context) (driver.Conn, error) {
 		conn.Close()
 		return nil, fmt.Errorf("bug: the SQLite driver returned a %T, which lacks a method database/sql uses", conn)
 	}
-	return &statementConn{sqliteDriverConn: sqliteConn, statements: map[string]*cachedStatement{}}, nil
+	return &statementConn{sqliteDriverConn: sqliteConn, statements: map[string]*cachedStatement{}, checkpoints: c.checkpoints}, nil
 }
 
 // sqliteDriverConn is what database/sql uses of a SQLite connection besides
@@ -94,6 +104,50 @@ type preparedStatement interface {
 type statementConn struct {
 	sqliteDriverConn
 	statements map[string]*cachedStatement
+	// checkpoints, if set, hears of each commit: a transaction's, or a
+	// statement's run outside one (inTx).
+	checkpoints *checkpointer
+	inTx        bool
+}
+
+// BeginTx begins a transaction whose commit the checkpointer hears of.
+func (c *statementConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	tx, err := c.sqliteDriverConn.BeginTx(ctx, opts)
+	if err != nil || c.checkpoints == nil {
+		return tx, err
+	}
+	c.inTx = true
+	return &checkpointedTx{Tx: tx, conn: c}, nil
+}
+
+// checkpointedTx is a transaction of a connection with a checkpointer.
+type checkpointedTx struct {
+	driver.Tx
+	conn *statementConn
+}
+
+// Commit commits, then wakes the checkpointer.
+func (t *checkpointedTx) Commit() error {
+	t.conn.inTx = false
+	err := t.Tx.Commit()
+	if err == nil {
+		t.conn.checkpoints.committed()
+	}
+	return err
+}
+
+// Rollback rolls back.
+func (t *checkpointedTx) Rollback() error {
+	t.conn.inTx = false
+	return t.Tx.Rollback()
+}
+
+// statementRan wakes the checkpointer after a statement that ran outside a
+// transaction, which committed on its own if it wrote anything.
+func (c *statementConn) statementRan() {
+	if c.checkpoints != nil && !c.inTx {
+		c.checkpoints.committed()
+	}
 }
 
 // cachedStatement is a prepared statement and whether a call is using it.
@@ -149,6 +203,7 @@ func (c *statementConn) ExecContext(ctx context.Context, query string, args []dr
 		return nil, err
 	}
 	result, err := s.stmt.ExecContext(ctx, args)
+	c.statementRan()
 	return result, errors.Join(err, s.release())
 }
 
@@ -160,6 +215,7 @@ func (c *statementConn) QueryContext(ctx context.Context, query string, args []d
 		return nil, err
 	}
 	rows, err := s.stmt.QueryContext(ctx, args)
+	c.statementRan()
 	if err != nil {
 		return nil, errors.Join(err, s.release())
 	}
