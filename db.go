@@ -102,10 +102,15 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
-	// The writer checkpoints only past checkpointBackstop pages of log; the
-	// checkpointer does it before then, beside the writer (see
-	// infra_checkpoint.go).
-	dsn += fmt.Sprintf("&_pragma=wal_autocheckpoint(%d)", checkpointBackstop)
+	// At NORMAL the writer checkpoints only past checkpointBackstop pages
+	// of log; the checkpointer does it before then, beside the writer (see
+	// infra_checkpoint.go). At FULL the writer checkpoints itself, as
+	// SQLite does by default: every commit waits for an fsync of the log
+	// already, and a checkpoint's fsyncs beside it made commits wait behind
+	// them on the one disk.
+	if d == durabilityNormal {
+		dsn += fmt.Sprintf("&_pragma=wal_autocheckpoint(%d)", checkpointBackstop)
+	}
 	connector, err := sqlite.NewConnector(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
@@ -114,10 +119,12 @@ func openDBWith(ctx context.Context, path string, d durability) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
-	checkpoints, err := startCheckpointer(path, checkpointEvery)
-	if err != nil {
-		readers.Close()
-		return nil, err
+	var checkpoints *checkpointer
+	if d == durabilityNormal {
+		if checkpoints, err = startCheckpointer(path, checkpointEvery); err != nil {
+			readers.Close()
+			return nil, err
+		}
 	}
 	// Each connection keeps its prepared statements (see infra_statements.go);
 	// closing db closes its readers and its checkpointer too.

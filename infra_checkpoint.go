@@ -22,6 +22,8 @@
 // checkpoint, which copies what came since its last copy; the log stays
 // within about twice the backstop (TestCheckpointer).
 //
+// At --durability=full the writer checkpoints itself, as before (db.go).
+//
 // Nothing here changes what a commit promises: a checkpoint copies
 // committed pages only, and may stop at any point (a crash included).
 

@@ -38,6 +38,25 @@ func TestCheckpointer(t *testing.T) {
 		}
 	})
 
+	// Ensure a writer at FULL checkpoints itself, as SQLite does by
+	// default: its commits wait for the disk already, and a checkpoint's
+	// fsyncs beside them made them wait longer.
+	t.Run("AtFullTheWriterCheckpointsItself", func(t *testing.T) {
+		db, err := openDBWith(ctx, filepath.Join(t.TempDir(), "test.db"), durabilityFull)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db.Close()
+		var pages int
+		if err := db.QueryRow(`PRAGMA wal_autocheckpoint`).Scan(&pages); err != nil {
+			t.Fatal(err)
+		}
+		if pages != 1000 || db.Driver().(sqliteDriver).checkpoints != nil {
+			t.Fatalf("at FULL the writer checkpoints past %d pages, with a checkpointer: %v; want 1000 pages, without",
+				pages, db.Driver().(sqliteDriver).checkpoints != nil)
+		}
+	})
+
 	// Ensure the checkpointer copies the log while the writer goes on,
 	// well before the backstop.
 	t.Run("CopiesTheLogBesideTheWriter", func(t *testing.T) {
