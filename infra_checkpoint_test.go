@@ -22,6 +22,23 @@ func walPages(tb testing.TB, db *sql.DB) (logPages, copied int) {
 	return logPages, copied
 }
 
+// waitAllCopied waits until every page of the log of db's file has been
+// copied into the file, failing after 10 s.
+func waitAllCopied(t *testing.T, db *sql.DB) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		logPages, copied := walPages(t, db)
+		if logPages > 0 && copied == logPages {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d pages of log copied 10 s after the last commit", copied, logPages)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 func TestCheckpointer(t *testing.T) {
 	ctx := context.Background()
 
@@ -67,17 +84,58 @@ func TestCheckpointer(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			logPages, copied := walPages(t, db)
-			if logPages > 0 && copied == logPages {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d of %d pages of log copied 10 s after the last commit", copied, logPages)
-			}
-			time.Sleep(5 * time.Millisecond)
+		waitAllCopied(t, db)
+	})
+
+	// Ensure a commit made by a statement outside any transaction wakes
+	// the checkpointer too, after a transaction rolled back on the same
+	// connection.
+	t.Run("HearsOfStatementsOutsideATransaction", func(t *testing.T) {
+		db := mustOpenSQLite(t)
+		waitAllCopied(t, db)
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
 		}
+		if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.ExecContext(ctx, `INSERT INTO stock_items (sku, available, stocked) VALUES ('sku-checkpoint', 1, 1)`); err != nil {
+			t.Fatal(err)
+		}
+		waitAllCopied(t, db)
+	})
+
+	// Ensure pages a reader held back are copied once it lets go, though
+	// no commit follows: the commits before a pause in the writes must not
+	// wait for the next write to reach the file.
+	t.Run("CopiesWhatAReaderHeldBackOnceItEnds", func(t *testing.T) {
+		db := mustOpenSQLite(t)
+		waitAllCopied(t, db)
+		reader, err := readersOf(db).BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		if err := reader.QueryRowContext(ctx, `SELECT COUNT(*) FROM stock_items`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		app := newApp(db, nil, nil, nil)
+		for i := range 5 {
+			if _, err := app.createOrder(ctx, benchRequest("k", i), benchOrder); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// The checkpointer's tries while the reader holds its snapshot
+		// copy nothing of what came after it.
+		time.Sleep(10 * checkpointEvery)
+		if logPages, copied := walPages(t, db); copied == logPages {
+			t.Fatalf("all %d pages of log copied past a reader's snapshot", logPages)
+		}
+		if err := reader.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		waitAllCopied(t, db)
 	})
 
 	// Ensure the log starts again from its beginning under writes that
@@ -95,9 +153,9 @@ func TestCheckpointer(t *testing.T) {
 		if err := db.QueryRow(`PRAGMA page_size`).Scan(&pageSize); err != nil {
 			t.Fatal(err)
 		}
-		// 100 pages a commit, five times the backstop in all.
+		// 100 pages a commit, six times the backstop in all.
 		payload := strings.Repeat("x", 100*pageSize)
-		for i := range 5 * checkpointBackstop / 100 {
+		for i := range 6 * checkpointBackstop / 100 {
 			_, err := db.ExecContext(ctx, `INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, next_attempt_at, created_at)
 				VALUES (?, 'Filler', 'filler', ?, '', '')`, fmt.Sprintf("evt_filler_%d", i), payload)
 			if err != nil {
@@ -109,14 +167,15 @@ func TestCheckpointer(t *testing.T) {
 			t.Fatal(err)
 		}
 		// A page in the log takes a 24-byte frame header besides itself.
-		// The log may go past the backstop by the commits made during one
-		// of the checkpointer's copies (the writer's checkpoint gives way
-		// to it): about the backstop again at most, when commits come as
-		// fast as the copy goes, as here (seen: 1.6 to 2.2 times the
-		// backstop; 5.3 times without it).
-		limit := int64(3*checkpointBackstop) * int64(pageSize+24)
+		// The log goes past the backstop by what the writer commits during
+		// the checkpointer's copy that crosses it (the writer's own
+		// checkpoint gives way to it), which depends on the disk: here
+		// commits come as fast as the copy goes (seen: 1.6 to 2.2 times
+		// the backstop; 5.3 times without the backstop, under five times
+		// its writes).
+		limit := int64(4*checkpointBackstop) * int64(pageSize+24)
 		if info.Size() > limit {
-			t.Fatalf("the log grew to %d MB under %d MB of writes; want at most %d MB", info.Size()>>20, 5*checkpointBackstop*pageSize>>20, limit>>20)
+			t.Fatalf("the log grew to %d MB under %d MB of writes; want at most %d MB", info.Size()>>20, 6*checkpointBackstop*pageSize>>20, limit>>20)
 		}
 		if testing.Verbose() {
 			t.Logf("the log at %d MB", info.Size()>>20)
@@ -140,6 +199,9 @@ func TestCheckpointer(t *testing.T) {
 		case <-checkpoints.done:
 		default:
 			t.Fatal("the checkpointer still runs after the write pool closed")
+		}
+		if err := checkpoints.db.PingContext(ctx); err == nil {
+			t.Fatal("the checkpointer's connection still answers after the write pool closed")
 		}
 	})
 }

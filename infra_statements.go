@@ -215,11 +215,11 @@ func (c *statementConn) QueryContext(ctx context.Context, query string, args []d
 		return nil, err
 	}
 	rows, err := s.stmt.QueryContext(ctx, args)
-	c.statementRan()
 	if err != nil {
+		c.statementRan()
 		return nil, errors.Join(err, s.release())
 	}
-	return &statementRows{Rows: rows, statement: s}, nil
+	return &statementRows{Rows: rows, statement: s, closed: c.statementRan}, nil
 }
 
 // Close closes the connection's statements, then the connection: SQLite
@@ -235,10 +235,13 @@ func (c *statementConn) Close() error {
 }
 
 // statementRows are the Rows of a cached statement; closing them frees the
-// statement for the next call.
+// statement for the next call, and calls closed: a statement outside a
+// transaction that writes (INSERT ... RETURNING) commits when its rows
+// are done.
 type statementRows struct {
 	driver.Rows
 	statement *cachedStatement
+	closed    func()
 }
 
 // Close closes the rows (which resets the statement) and releases it.
@@ -247,6 +250,7 @@ func (r *statementRows) Close() error {
 	if r.statement == nil {
 		return err
 	}
+	r.closed()
 	s := r.statement
 	r.statement = nil
 	return errors.Join(err, s.release())
