@@ -101,8 +101,6 @@ func (c *checkpointer) committed() {
 // the file.
 func (c *checkpointer) run() {
 	defer close(c.done)
-	timer := time.NewTimer(0)
-	<-timer.C
 	copiedAll := true
 	for {
 		if copiedAll {
@@ -112,12 +110,10 @@ func (c *checkpointer) run() {
 			case <-c.nudge:
 			}
 		}
-		timer.Reset(c.every)
 		select {
 		case <-c.stop:
-			timer.Stop()
 			return
-		case <-timer.C:
+		case <-time.After(c.every):
 		}
 		// Commits came while it waited: the writer is at work.
 		committing := false

@@ -22,6 +22,16 @@ func walPages(tb testing.TB, db *sql.DB) (logPages, copied int) {
 	return logPages, copied
 }
 
+// pragmaInt returns the value of an integer pragma on db's writer.
+func pragmaInt(tb testing.TB, db *sql.DB, pragma string) int {
+	tb.Helper()
+	var value int
+	if err := db.QueryRow(`PRAGMA ` + pragma).Scan(&value); err != nil {
+		tb.Fatal(err)
+	}
+	return value
+}
+
 // waitAllCopied waits until every page of the log of db's file has been
 // copied into the file, failing after 10 s.
 func waitAllCopied(t *testing.T, db *sql.DB) {
@@ -46,11 +56,7 @@ func TestCheckpointer(t *testing.T) {
 	// the backstop: with SQLite's default, one commit in every 1,000
 	// pages of log waited for the copy and two fsyncs.
 	t.Run("CommitsLeaveTheCopyToTheCheckpointer", func(t *testing.T) {
-		var pages int
-		if err := mustOpenSQLite(t).QueryRow(`PRAGMA wal_autocheckpoint`).Scan(&pages); err != nil {
-			t.Fatal(err)
-		}
-		if pages != checkpointBackstop {
+		if pages := pragmaInt(t, mustOpenSQLite(t), "wal_autocheckpoint"); pages != checkpointBackstop {
 			t.Fatalf("the writer checkpoints past %d pages of log, want %d", pages, checkpointBackstop)
 		}
 	})
@@ -64,10 +70,7 @@ func TestCheckpointer(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer db.Close()
-		var pages int
-		if err := db.QueryRow(`PRAGMA wal_autocheckpoint`).Scan(&pages); err != nil {
-			t.Fatal(err)
-		}
+		pages := pragmaInt(t, db, "wal_autocheckpoint")
 		if pages != 1000 || db.Driver().(sqliteDriver).checkpoints != nil {
 			t.Fatalf("at FULL the writer checkpoints past %d pages, with a checkpointer: %v; want 1000 pages, without",
 				pages, db.Driver().(sqliteDriver).checkpoints != nil)
@@ -149,10 +152,7 @@ func TestCheckpointer(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer db.Close()
-		var pageSize int
-		if err := db.QueryRow(`PRAGMA page_size`).Scan(&pageSize); err != nil {
-			t.Fatal(err)
-		}
+		pageSize := pragmaInt(t, db, "page_size")
 		// 100 pages a commit, six times the backstop in all.
 		payload := strings.Repeat("x", 100*pageSize)
 		for i := range 6 * checkpointBackstop / 100 {
