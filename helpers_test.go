@@ -233,8 +233,15 @@ func (env *testEnv) restart(tb testing.TB) {
 // count runs a query that returns one integer.
 func (env *testEnv) count(tb testing.TB, query string, args ...any) int {
 	tb.Helper()
+	return queryInt(tb, env.app.db, query, args...)
+}
+
+// queryInt runs on db a query that returns one integer (a count, an
+// integer pragma).
+func queryInt(tb testing.TB, db *sql.DB, query string, args ...any) int {
+	tb.Helper()
 	var n int
-	if err := env.app.db.QueryRow(query, args...).Scan(&n); err != nil {
+	if err := db.QueryRow(query, args...).Scan(&n); err != nil {
 		tb.Fatalf("%s: %v", query, err)
 	}
 	return n

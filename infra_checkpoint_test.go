@@ -22,16 +22,6 @@ func walPages(tb testing.TB, db *sql.DB) (logPages, copied int) {
 	return logPages, copied
 }
 
-// pragmaInt returns the value of an integer pragma on db's writer.
-func pragmaInt(tb testing.TB, db *sql.DB, pragma string) int {
-	tb.Helper()
-	var value int
-	if err := db.QueryRow(`PRAGMA ` + pragma).Scan(&value); err != nil {
-		tb.Fatal(err)
-	}
-	return value
-}
-
 // waitAllCopied waits until every page of the log of db's file has been
 // copied into the file, failing after 10 s.
 func waitAllCopied(t *testing.T, db *sql.DB) {
@@ -56,7 +46,7 @@ func TestCheckpointer(t *testing.T) {
 	// the backstop: with SQLite's default, one commit in every 1,000
 	// pages of log waited for the copy and two fsyncs.
 	t.Run("CommitsLeaveTheCopyToTheCheckpointer", func(t *testing.T) {
-		if pages := pragmaInt(t, mustOpenSQLite(t), "wal_autocheckpoint"); pages != checkpointBackstop {
+		if pages := queryInt(t, mustOpenSQLite(t), `PRAGMA wal_autocheckpoint`); pages != checkpointBackstop {
 			t.Fatalf("the writer checkpoints past %d pages of log, want %d", pages, checkpointBackstop)
 		}
 	})
@@ -70,7 +60,7 @@ func TestCheckpointer(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer db.Close()
-		pages := pragmaInt(t, db, "wal_autocheckpoint")
+		pages := queryInt(t, db, `PRAGMA wal_autocheckpoint`)
 		if pages != 1000 || db.Driver().(sqliteDriver).checkpoints != nil {
 			t.Fatalf("at FULL the writer checkpoints past %d pages, with a checkpointer: %v; want 1000 pages, without",
 				pages, db.Driver().(sqliteDriver).checkpoints != nil)
@@ -152,7 +142,7 @@ func TestCheckpointer(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer db.Close()
-		pageSize := pragmaInt(t, db, "page_size")
+		pageSize := queryInt(t, db, `PRAGMA page_size`)
 		// 100 pages a commit, six times the backstop in all.
 		payload := strings.Repeat("x", 100*pageSize)
 		for i := range 6 * checkpointBackstop / 100 {
