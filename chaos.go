@@ -863,7 +863,7 @@ func auditChaos(ctx context.Context, path string, now time.Time, orders []*chaos
 		       (SELECT COUNT(*) FROM orders WHERE status = 'paid'),
 		       (SELECT COUNT(*) FROM orders WHERE status = 'cancelled'),
 		       (SELECT COUNT(*) FROM orders WHERE status = 'refunded'),
-		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku LIKE 'sku-rare%' AND `+soldHold+`)`,
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku LIKE 'sku-rare%' AND `+soldHold+`)`,
 	).Scan(&report.Redeliveries, &report.BrokerDedupes, &report.InboxSkips, &report.ProcessorKeyHits,
 		&report.Paid, &report.Cancelled, &report.RefundedOrders, &report.RareSKUSold)
 }

@@ -147,7 +147,7 @@ func invariants(d *dialect) []invariant {
 		{name: "stock is conserved (available + reserved = stocked)", query: `
 			SELECT s.sku || ': ' || s.available || ' available + ' || COALESCE(SUM(r.qty), 0) || ' reserved <> ' || s.stocked
 			FROM stock_items s
-			LEFT JOIN stock_reservations r ON r.sku = s.sku AND r.status = 'reserved'
+			LEFT JOIN stock_holds r ON r.sku = s.sku AND r.status = 'reserved'
 			GROUP BY s.sku, s.available, s.stocked
 			HAVING s.available + COALESCE(SUM(r.qty), 0) <> s.stocked`},
 		{name: "a cancelled order sold nothing and holds no money", query: `
@@ -189,17 +189,17 @@ func invariants(d *dialect) []invariant {
 		// Sold: every item's hold still reserved, and the saga completed.
 		{name: "a paid or refunded order sold every item, and released none", query: `
 			SELECT o.order_id || ' is ' || o.status || ' with saga ' || COALESCE(s.status, 'missing') || ' and holds ' ||
-			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'reserved') ||
+			       (SELECT COUNT(*) FROM stock_holds r WHERE r.order_id = o.order_id AND r.status = 'reserved') ||
 			       ' of ' || ` + d.jsonArrayLength("o.items") + ` || ' items, ' ||
-			       (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'reserved') || ' released'
+			       (SELECT COUNT(*) FROM stock_holds r WHERE r.order_id = o.order_id AND r.status <> 'reserved') || ' released'
 			FROM orders o LEFT JOIN saga_instances s ON s.order_id = o.order_id
 			WHERE o.status IN ('paid', 'refunded')
 			  AND (s.status IS NULL OR s.status <> 'completed'
-			       OR (SELECT COUNT(*) FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status = 'reserved') <> ` + d.jsonArrayLength("o.items") + `
-			       OR EXISTS (SELECT 1 FROM stock_reservations r WHERE r.order_id = o.order_id AND r.status <> 'reserved'))`},
+			       OR (SELECT COUNT(*) FROM stock_holds r WHERE r.order_id = o.order_id AND r.status = 'reserved') <> ` + d.jsonArrayLength("o.items") + `
+			       OR EXISTS (SELECT 1 FROM stock_holds r WHERE r.order_id = o.order_id AND r.status <> 'reserved'))`},
 		{name: "a cancelled order holds no stock", query: `
 			SELECT o.order_id || ' is cancelled but still holds ' || r.qty || ' of ' || r.sku
-			FROM orders o JOIN stock_reservations r ON r.order_id = o.order_id
+			FROM orders o JOIN stock_holds r ON r.order_id = o.order_id
 			WHERE o.status = 'cancelled' AND r.status = 'reserved'`},
 		{name: "a refund is of a paid or refunded order, and with those in flight never exceeds it", query: `
 			SELECT o.order_id || ' is ' || o.status || ' for ' || o.amount_cents || ' with refunds pending or made of ' ||
@@ -236,7 +236,7 @@ func invariants(d *dialect) []invariant {
 		{name: "once quiet, no refund is left pending", settledOnly: true, query: `
 			SELECT refund_id || ' of ' || order_id || ' is still pending' FROM refunds WHERE status = 'pending'`},
 		{name: "once quiet, nothing is reserved but what was sold", settledOnly: true, query: `
-			SELECT r.sku || ' still has ' || SUM(r.qty) || ' reserved for sagas not completed' FROM stock_reservations r
+			SELECT r.sku || ' still has ' || SUM(r.qty) || ' reserved for sagas not completed' FROM stock_holds r
 			WHERE r.status = 'reserved' AND NOT ` + soldHold + `
 			GROUP BY r.sku`},
 		{name: "once quiet, every saga is terminal and agrees with its order", settledOnly: true, query: `

@@ -351,7 +351,7 @@ func (d *demo) compensation(ctx context.Context) error {
 		return err
 	}
 	declinedID := orderField(declined.body, "order_id")
-	const sku2Reserved = `SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = 'sku-2' AND r.status = 'reserved' AND NOT ` + soldHold
+	const sku2Reserved = `SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku = 'sku-2' AND r.status = 'reserved' AND NOT ` + soldHold
 	stocked := d.count(ctx, `SELECT available FROM stock_items WHERE sku = 'sku-2'`) + d.count(ctx, sku2Reserved)
 	if _, err := d.relay(ctx, "relay-2"); err != nil {
 		return err
@@ -617,8 +617,8 @@ func (d *demo) summaryRows(ctx context.Context) []summaryRow {
 		{"OrderCreated for an order never made", "1 dropped POST", d.count(ctx, `SELECT COUNT(*) FROM inbox_messages WHERE consumer = ? AND status = 'poison'`, paymentServiceConsumer), 0},
 		{"saga started for cart-7", "2 deliveries", d.count(ctx, `SELECT COUNT(*) FROM saga_instances s JOIN orders o ON o.order_id = s.order_id WHERE o.idempotency_key = ?`, demoKey), 1},
 		{"card charged for cart-7", "2 charge calls", d.count(ctx, `SELECT COUNT(*) FROM processor_charges c JOIN orders o ON o.order_id = c.order_id WHERE o.idempotency_key = ? AND c.status = 'succeeded'`, demoKey), 1},
-		{"stock sold for cart-7", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND `+soldHold, demoKey), 1},
-		{"stock released for cart-8 (declined)", "1 compensation", d.count(ctx, `SELECT COUNT(*) FROM stock_reservations r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'released'`, demoDeclinedKey), 1},
+		{"stock sold for cart-7", "1 reservation", d.count(ctx, `SELECT COUNT(*) FROM stock_holds r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND `+soldHold, demoKey), 1},
+		{"stock released for cart-8 (declined)", "1 compensation", d.count(ctx, `SELECT COUNT(*) FROM stock_holds r JOIN orders o ON o.order_id = r.order_id WHERE o.idempotency_key = ? AND r.status = 'released'`, demoDeclinedKey), 1},
 		{"order cancelled for cart-8", "1 delivery", d.count(ctx, `SELECT COUNT(*) FROM orders WHERE idempotency_key = ? AND status = 'cancelled'`, demoDeclinedKey), 1},
 		{"refund of 2000 made", "4 POSTs, 1 lost", d.count(ctx, `SELECT COUNT(*) FROM processor_refunds WHERE idempotency_key <> ?`, demoDashboardRefund), 1},
 		{"dashboard refund counted", "2 webhooks", d.count(ctx, `SELECT COUNT(*) FROM refunds WHERE source = 'webhook'`), 1},

@@ -171,7 +171,7 @@ func TestSchemasAgree(t *testing.T) {
 	}
 	defer postgresDB.Close()
 	sqliteColumns := tableColumns(t, sqliteDB, `
-		SELECT m.name, c.name FROM sqlite_schema m, pragma_table_info(m.name) c WHERE m.type = 'table'`)
+		SELECT m.name, c.name FROM sqlite_schema m, pragma_table_info(m.name) c WHERE m.type IN ('table', 'view')`)
 	postgresColumns := tableColumns(t, postgresDB, `
 		SELECT table_name, column_name FROM information_schema.columns
 		WHERE table_schema = current_schema() AND table_name <> 'schema_migrations'`)
@@ -288,7 +288,7 @@ func TestHotSKUUnderConcurrentSagas(t *testing.T) {
 	if got := env.count(t, `SELECT COUNT(*) FROM orders WHERE status = 'cancelled'`); got != orders-stock {
 		t.Errorf("%d orders cancelled, want %d", got, orders-stock)
 	}
-	if got := env.count(t, `SELECT COUNT(*) FROM stock_reservations r WHERE r.sku = 'sku-2' AND `+soldHold); got != stock {
+	if got := env.count(t, `SELECT COUNT(*) FROM stock_holds r WHERE r.sku = 'sku-2' AND `+soldHold); got != stock {
 		t.Errorf("%d reservations sold, want %d", got, stock)
 	}
 }

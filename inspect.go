@@ -151,16 +151,16 @@ var inspectedTables = []inspectedTable{
 		// reserved and sold are the SKU's reservations (schema version
 		// 11), sold those of completed sagas (version 13).
 		columns: `sku, available,
-			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND r.status = 'reserved' AND NOT ` + soldHold + `) AS reserved,
-			(SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = stock_items.sku AND ` + soldHold + `) AS sold, stocked`,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku = stock_items.sku AND r.status = 'reserved' AND NOT ` + soldHold + `) AS reserved,
+			(SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku = stock_items.sku AND ` + soldHold + `) AS sold, stocked`,
 		from:    `stock_items`,
-		ofOrder: `sku IN (SELECT sku FROM stock_reservations WHERE order_id = ?)`,
+		ofOrder: `sku IN (SELECT sku FROM stock_holds WHERE order_id = ?)`,
 		orderBy: `sku`,
 	},
 	{
-		name:    "stock_reservations",
+		name:    "stock_holds",
 		columns: `order_id, sku, qty, status`,
-		from:    `stock_reservations`,
+		from:    `stock_holds`,
 		ofOrder: `order_id = ?`,
 		orderBy: `created_at, sku`,
 	},

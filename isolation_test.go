@@ -413,7 +413,7 @@ func (h *isoHarness) openSlot(t *testing.T, base string, i int) *isoSlot {
 	ctx := context.Background()
 	s := &isoSlot{h: h, fixture: buildIsoFixture(t, base), lost: map[string]bool{}, known: map[violation]bool{}}
 	fixture := mustConnect(t, s.fixture.schema)
-	rows, err := fixture.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_name <> 'schema_migrations' ORDER BY table_name`)
+	rows, err := fixture.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_type = 'BASE TABLE' AND table_name <> 'schema_migrations' ORDER BY table_name`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -338,7 +338,7 @@ func mutations() []mutation {
 			catcher: "TestSaga/PaidOrderIsCharged",
 			fault:   "review: the saga's confirm step releases the order's holds, so a paid order's goods go back on the shelf",
 			edits: []mutationEdit{
-				{"saga.go", "confirms without a charge\", run.saga.SagaID)\n\t}\n", "confirms without a charge\", run.saga.SagaID)\n\t}\n\tif err := releaseReservations(ctx, tx, run.order.OrderID, now); err != nil {\n\t\treturn err\n\t}\n"},
+				{"saga.go", "confirms without a charge\", run.saga.SagaID)\n\t}\n", "confirms without a charge\", run.saga.SagaID)\n\t}\n\tif err := releaseStock(ctx, tx, run.order); err != nil {\n\t\treturn err\n\t}\n"},
 			},
 		},
 		{
@@ -506,11 +506,11 @@ func mutations() []mutation {
 			},
 		},
 		{
-			name:    "ReleaseStatusesSwapped",
+			name:    "ReleaseTakesStockAgain",
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
-			fault:   "review: releaseReservations swaps the new and the old status: no hold is ever released",
+			fault:   "review: releaseStock takes the items off the shelf again instead of putting them back: no hold is ever released",
 			edits: []mutationEdit{
-				{"stock.go", "RETURNING sku, qty`, stockReleased, formatTime(now), orderID, stockReserved)", "RETURNING sku, qty`, stockReserved, formatTime(now), orderID, stockReleased)"},
+				{"stock.go", "`UPDATE stock_items SET available = available + ? WHERE sku = ?`", "`UPDATE stock_items SET available = available - ? WHERE sku = ?`"},
 			},
 		},
 		{

@@ -379,14 +379,15 @@ func (a *App) runStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Ti
 // reserveStockStep is the saga's reserve_stock: it reserves the order's
 // items, or returns errOutOfStock, and the saga compensates.
 func (a *App) reserveStockStep(ctx context.Context, tx *sql.Tx, run *sagaRun, now time.Time) error {
-	if err := reserveStock(ctx, tx, run.order, now); err != nil {
+	if err := reserveStock(ctx, tx, run.order); err != nil {
 		return err
 	}
 	if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {
 		return err
 	}
 	// Sample flaw 6: it inserted every step as done up front. A step is
-	// recorded done here, with its effect, only once it ran.
+	// recorded done here, with its effect, only once it ran. This record
+	// is the order's hold on its items (stock.go).
 	return a.markStepDone(ctx, tx, run.lease, run.step, "", now)
 }
 
@@ -487,14 +488,15 @@ func (a *App) compensate(ctx context.Context, run *sagaRun) error {
 //
 // Sample flaw 7: it ran a compensation, then recorded it, outside any
 // transaction: a crash in between released the stock twice on resume. Here
-// a local compensation (the stock) commits with its record, and a remote one
+// a local compensation (the stock) commits with its record, which changes
+// from done to compensated only once, and a remote one
 // (the refund) is asked for under a key derived from the saga, so the
 // processor refunds once however often it is asked.
 func (a *App) undoStep(ctx context.Context, run *sagaRun, step sagaStepRow) error {
 	switch step.Name {
 	case stepReserveStock:
 		return a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {
-			if err := releaseReservations(ctx, tx, run.order.OrderID, now); err != nil {
+			if err := releaseStock(ctx, tx, run.order); err != nil {
 				return err
 			}
 			if err := a.fault.at(ctx, faultAfterStepEffect); err != nil {

@@ -54,8 +54,8 @@ func stockOf(tb testing.TB, env *testEnv, sku string) string {
 	tb.Helper()
 	return env.str(tb, `
 		SELECT available || '/' ||
-		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND r.status = 'reserved' AND NOT `+soldHold+`) || '/' ||
-		       (SELECT COALESCE(SUM(qty), 0) FROM stock_reservations r WHERE r.sku = s.sku AND `+soldHold+`)
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku = s.sku AND r.status = 'reserved' AND NOT `+soldHold+`) || '/' ||
+		       (SELECT COALESCE(SUM(qty), 0) FROM stock_holds r WHERE r.sku = s.sku AND `+soldHold+`)
 		FROM stock_items s WHERE sku = ?`, sku)
 }
 
@@ -84,7 +84,7 @@ func TestSaleWritesNoStock(t *testing.T) {
 	t.Run("PaidOrdersHoldsStayReserved", func(t *testing.T) {
 		env := MustOpenApp(t)
 		orderID := createAndDrain(t, env, "k1", orderBody(5000, "sku-1", 2, pmCardVisa))
-		if got := env.str(t, `SELECT string_agg(status, ',') FROM stock_reservations WHERE order_id = ?`, orderID); got != string(stockReserved) {
+		if got := env.str(t, `SELECT string_agg(status, ',') FROM stock_holds WHERE order_id = ?`, orderID); got != string(stockReserved) {
 			t.Fatalf("the paid order's holds are %s, want reserved", got)
 		}
 		if got := stockOf(t, env, "sku-1"); got != "998/0/2" {
@@ -95,9 +95,10 @@ func TestSaleWritesNoStock(t *testing.T) {
 	t.Run("HoldsSoldBeforeVersion13AreReserved", func(t *testing.T) {
 		target := testDatabase(t)
 		migrateTo(t, target, 12)
-		old := openUnmigrated(t, target)
+		db := openUnmigrated(t, target)
+		defer db.Close()
 		now := formatTime(time.Now())
-		err := withTx(ctx, old, func(tx *sql.Tx) error {
+		err := withTx(ctx, db, func(tx *sql.Tx) error {
 			order := orderRow{OrderID: "ord-sold", UserID: "user-42", AmountCents: 5000, Currency: "usd",
 				Items: []orderItem{{SKU: "sku-1", Qty: 2}}, PaymentMethod: pmCardVisa, Status: orderPaid, CreatedAt: now}
 			if err := insertOrder(ctx, tx, order); err != nil {
@@ -108,15 +109,10 @@ func TestSaleWritesNoStock(t *testing.T) {
 				VALUES ('ord-sold', 'sku-1', 2, 'sold', ?, ?)`, now, now)
 			return err
 		})
-		old.Close()
 		if err != nil {
 			t.Fatal(err)
 		}
-		db, err := openDB(ctx, target)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer db.Close()
+		mustMigrateUpTo(t, db, 13)
 		var status string
 		if err := db.QueryRowContext(ctx, `SELECT status FROM stock_reservations WHERE order_id = 'ord-sold'`).Scan(&status); err != nil {
 			t.Fatal(err)
@@ -126,6 +122,135 @@ func TestSaleWritesNoStock(t *testing.T) {
 		}
 		if _, err := db.ExecContext(ctx, `UPDATE stock_reservations SET status = 'sold' WHERE order_id = 'ord-sold'`); err == nil {
 			t.Fatal("a hold was marked sold, as a process older than version 13 would, and nothing refused it")
+		}
+	})
+}
+
+// mustMigrateUpTo applies the schema's sections after db's version up to
+// version, as a program of that version would.
+func mustMigrateUpTo(tb testing.TB, db *sql.DB, version int) {
+	tb.Helper()
+	migrations, err := schemaMigrations(dialectOf(db).schema)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := applyMigrations(context.Background(), db, migrations[:version]); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// Ensure a hold is its saga's reserve_stock record (schema version 14): the
+// holds of a database at version 13 are read from the steps' records as
+// they were, reserved and released, once their table is gone; and a hold
+// that no step's record says (which no version of retrysafe wrote) stops
+// the migration, so nothing is lost.
+func TestHoldsAreReserveStepRecords(t *testing.T) {
+	ctx := context.Background()
+	// atVersion13 makes a database at version 13 with two orders whose
+	// reserve_stock ran: ord-held holds 2 of sku-1 and 1 of sku-2; ord-undone
+	// had its 3 of sku-1 released. stray is a hold with no step, or none.
+	atVersion13 := func(t *testing.T, stray bool) (target string, db *sql.DB) {
+		target = testDatabase(t)
+		migrateTo(t, target, 13)
+		db = openUnmigrated(t, target)
+		t.Cleanup(func() { db.Close() })
+		now := formatTime(time.Now())
+		err := withTx(ctx, db, func(tx *sql.Tx) error {
+			for _, o := range []struct {
+				id, step, hold string
+				items          []orderItem
+			}{
+				{"ord-held", "done", "reserved", []orderItem{{SKU: "sku-1", Qty: 2}, {SKU: "sku-2", Qty: 1}}},
+				{"ord-undone", "compensated", "released", []orderItem{{SKU: "sku-1", Qty: 3}}},
+			} {
+				order := orderRow{OrderID: o.id, UserID: "user-42", AmountCents: 5000, Currency: "usd",
+					Items: o.items, PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: now}
+				if err := insertOrder(ctx, tx, order); err != nil {
+					return err
+				}
+				if _, err := tx.ExecContext(ctx, `
+					INSERT INTO saga_instances (saga_id, order_id, status, current_step, next_attempt_at, created_at, updated_at)
+					VALUES (?, ?, 'in_progress', 'charge_card', ?, ?, ?)`, "saga-"+o.id, o.id, now, now, now); err != nil {
+					return err
+				}
+				if _, err := tx.ExecContext(ctx, `
+					INSERT INTO saga_steps (saga_id, step_index, step_name, status, attempts, done_at)
+					VALUES (?, 0, 'reserve_stock', ?, 1, ?)`, "saga-"+o.id, o.step, now); err != nil {
+					return err
+				}
+				for _, item := range o.items {
+					if _, err := tx.ExecContext(ctx, `
+						INSERT INTO stock_reservations (order_id, sku, qty, status, created_at, updated_at)
+						VALUES (?, ?, ?, ?, ?, ?)`, o.id, item.SKU, item.Qty, o.hold, now, now); err != nil {
+						return err
+					}
+				}
+			}
+			if !stray {
+				return nil
+			}
+			_, err := tx.ExecContext(ctx, `
+				INSERT INTO stock_reservations (order_id, sku, qty, status, created_at, updated_at)
+				VALUES ('ord-undone', 'sku-2', 4, 'reserved', ?, ?)`, now, now)
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return target, db
+	}
+	holds := func(t *testing.T, db *sql.DB, table string) string {
+		t.Helper()
+		rows, err := db.QueryContext(ctx, `SELECT order_id, sku, qty, status FROM `+table+` ORDER BY order_id, sku`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var got []string
+		for rows.Next() {
+			var orderID, sku, status string
+			var qty int64
+			if err := rows.Scan(&orderID, &sku, &qty, &status); err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, fmt.Sprintf("%s %d %s %s", orderID, qty, sku, status))
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(got, ", ")
+	}
+	t.Run("HoldsAreReadFromTheSteps", func(t *testing.T) {
+		target, db := atVersion13(t, false)
+		before := holds(t, db, "stock_reservations")
+		db.Close()
+		migrated, err := openDB(ctx, target)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer migrated.Close()
+		if got := holds(t, migrated, "stock_holds"); got != before {
+			t.Fatalf("after the migration the holds are\n%s\nbefore it\n%s", got, before)
+		}
+		if before != "ord-held 2 sku-1 reserved, ord-held 1 sku-2 reserved, ord-undone 3 sku-1 released" {
+			t.Fatalf("the holds at version 13 are %s", before)
+		}
+		if _, err := migrated.ExecContext(ctx, `SELECT 1 FROM stock_reservations`); err == nil {
+			t.Fatal("stock_reservations is still there: a process older than version 14 would go on writing holds into it")
+		}
+	})
+	t.Run("AHoldNoStepSaysStopsTheMigration", func(t *testing.T) {
+		target, db := atVersion13(t, true)
+		before := holds(t, db, "stock_reservations")
+		db.Close()
+		if migrated, err := openDB(ctx, target); err == nil {
+			migrated.Close()
+			t.Fatal("a hold that no reserve_stock record says was migrated away")
+		}
+		db = openUnmigrated(t, target)
+		defer db.Close()
+		if got := holds(t, db, "stock_reservations"); got != before {
+			t.Fatalf("after the failed migration the holds are\n%s\nbefore it\n%s", got, before)
 		}
 	})
 }
@@ -856,34 +981,59 @@ func TestSagaRoundKnowsWhatItWrote(t *testing.T) {
 	}
 }
 
-// Ensure releasing an order's holds twice puts its stock back once: a hold
-// already released is left alone. Today its one caller releases in the
-// transaction that records the step compensated, once; a second caller (a
-// repair, a release moved out of that transaction) must not put released
-// stock back on the shelf again.
-func TestReleaseReservationsTwicePutsBackOnce(t *testing.T) {
-	env := MustOpenApp(t)
+// Ensure a hold is released once however often its compensation runs:
+// releaseStock puts the items back unconditionally, and counts only with
+// the reserve_stock step's record changed from done to compensated in the
+// same transaction. A second undo of the step (a worker that read the
+// step as done before the first committed, a repair) finds it compensated
+// already, and its release rolls back.
+func TestReserveStockUndoneTwicePutsBackOnce(t *testing.T) {
 	ctx := context.Background()
-	order := orderRow{OrderID: "ord-release", UserID: "user-42", AmountCents: 5000, Currency: "usd",
-		Items: []orderItem{{SKU: "sku-1", Qty: 2}}, PaymentMethod: pmCardVisa, Status: orderCreated, CreatedAt: formatTime(env.clock.now())}
-	err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
-		if err := insertOrder(ctx, tx, order); err != nil {
-			return err
-		}
-		return reserveStock(ctx, tx, order, env.clock.now())
-	})
-	if err != nil {
-		t.Fatal(err)
+	env := MustOpenApp(t)
+	orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 2, pmCardDeclined)).Body, "order_id")
+	startSagas(t, env)
+	// Round by round, until the card is declined: the saga compensates,
+	// and its reserve_stock is done, not undone yet.
+	var runs []*sagaRun
+	var failures []error
+	compensating := func() bool {
+		return env.count(t, `SELECT COUNT(*) FROM saga_instances s
+			JOIN saga_steps st ON st.saga_id = s.saga_id AND st.step_name = 'reserve_stock'
+			WHERE s.order_id = ? AND s.status = 'compensating' AND st.status = 'done'`, orderID) == 1
 	}
-	for range 2 {
-		err := withTx(ctx, env.app.db, func(tx *sql.Tx) error {
-			return releaseReservations(ctx, tx, order.OrderID, env.clock.now())
-		})
-		if err != nil {
+	for round := 0; !compensating(); round++ {
+		if round == 5 {
+			t.Fatalf("after %d rounds the saga is %s; want compensating", round, sagaSteps(t, env, orderID))
+		}
+		var err error
+		if runs, _, _, err = env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
-		t.Fatalf("sku-1 stock %s after two releases, want 1000/0/0", got)
+	if got := stockOf(t, env, "sku-1"); got != "998/2/0" {
+		t.Fatalf("sku-1 stock %s before the compensation, want 998/2/0", got)
 	}
+	order, err := readOrder(ctx, env.app.db, orderID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := &sagaRun{order: order}
+	run.lease.WorkerID = "worker-1"
+	run.lease.SagaID = env.str(t, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID)
+	run.lease.Token = int64(env.count(t, `SELECT lease_token FROM saga_instances WHERE saga_id = ?`, run.lease.SagaID))
+	step := sagaStepRow{Index: 0, Name: stepReserveStock, Status: stepDone}
+	if err := env.app.undoStep(ctx, run, step); err != nil {
+		t.Fatalf("first undo: %v", err)
+	}
+	if err := env.app.undoStep(ctx, run, step); !errors.Is(err, errStepNotPending) {
+		t.Fatalf("second undo of a compensated step: %v, want errStepNotPending", err)
+	}
+	if got := stockOf(t, env, "sku-1"); got != "1000/0/0" {
+		t.Fatalf("sku-1 stock %s after two undos, want 1000/0/0", got)
+	}
+	env.drain(t)
+	if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderCancelled) {
+		t.Fatalf("order is %s, want cancelled", got)
+	}
+	mustAudit(t, env, true)
 }

@@ -438,3 +438,30 @@ UPDATE stock_reservations SET status = 'reserved' WHERE status = 'sold';
 ALTER TABLE stock_reservations DROP CONSTRAINT stock_reservations_status_check;
 ALTER TABLE stock_reservations ADD CONSTRAINT stock_reservations_status_check
     CHECK (status IN ('reserved', 'released'));
+
+-- version 14
+
+-- A hold is the record of its saga's reserve_stock step: see version 14 of
+-- schema.sql.
+CREATE VIEW stock_holds AS
+SELECT s.order_id AS order_id,
+       item ->> 'sku' AS sku,
+       (item ->> 'qty')::bigint AS qty,
+       CASE st.status WHEN 'done' THEN 'reserved' ELSE 'released' END AS status,
+       st.done_at AS created_at,
+       COALESCE(st.compensated_at, st.done_at) AS updated_at
+FROM saga_steps st
+JOIN saga_instances s ON s.saga_id = st.saga_id
+JOIN orders o ON o.order_id = s.order_id
+CROSS JOIN LATERAL jsonb_array_elements(o.items::jsonb) AS item
+WHERE st.step_name = 'reserve_stock' AND st.status IN ('done', 'compensated');
+DO $$
+BEGIN
+    IF EXISTS (SELECT order_id, sku, qty, status FROM stock_reservations
+               EXCEPT SELECT order_id, sku, qty, status FROM stock_holds)
+       OR EXISTS (SELECT order_id, sku, qty, status FROM stock_holds
+                  EXCEPT SELECT order_id, sku, qty, status FROM stock_reservations) THEN
+        RAISE EXCEPTION 'stock_reservations and the reserve_stock steps differ: not migrated to schema version 14';
+    END IF;
+END $$;
+DROP TABLE stock_reservations;
