@@ -452,8 +452,9 @@ rmgr: Standby     len (rec/tot):     50/    50, tx:          0, lsn: 0/0176A2F0,
 
 // BenchmarkHotRow is the saga's use of the stock alone: each order's
 // reservation (reserveStock: a counter UPDATE of the SKU's stock_items row,
-// in the transaction that records reserve_stock done, which is the hold;
-// since schema version 14 no row of its own), from 8 clients. Its sale writes no stock (since schema version 13 a hold
+// as reserve_stock runs it, without the step's record that is the hold;
+// until schema version 14 it also inserted the hold's own row, so runs
+// from before then are not comparable), from 8 clients. Its sale writes no stock (since schema version 13 a hold
 // is sold when its saga completed; before, since version 11, the sale
 // wrote the hold's row, and before that the SKU's row again). sku-1 is the flash sale, every order on one row; skus-16
 // spreads them over 16 rows. On PostgreSQL the row's lock is held from

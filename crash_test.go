@@ -58,6 +58,10 @@ func TestCheck(t *testing.T) {
 			"an idempotency key maps to at most one order"},
 		{"LeakedStock", `UPDATE stock_items SET available = available - 1 WHERE sku = 'sku-1'`,
 			"stock is conserved"},
+		// A hold is read from the order's items: one that cannot be read
+		// is named, and fails no other reader of the holds.
+		{"UnreadableItems", `UPDATE orders SET items = 'not json' WHERE order_id = :paid`,
+			"an order whose stock was reserved holds each of its items"},
 		{"LostEvent", `DELETE FROM outbox_events WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
 			"every order has exactly one OrderCreated event"},
 		{"DuplicateOrderCreated", `INSERT INTO outbox_events (event_id, event_type, aggregate_id, payload, status, next_attempt_at, created_at, delivery_position)
@@ -79,6 +83,22 @@ func TestCheck(t *testing.T) {
 		{"FailedEventHoldsBackItsOrder", `UPDATE outbox_events SET status = 'failed', last_error = 'broker down' WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
 			failedEventsInvariant},
 	}
+	// Ensure inspect shows the stock of a database where one order's items
+	// cannot be read: its holds are not counted, and nothing else fails.
+	t.Run("InspectReadsPastUnreadableItems", func(t *testing.T) {
+		env, paid := settledEnv(t)
+		if _, err := env.app.db.Exec(`UPDATE orders SET items = '[{"sku": 7' WHERE order_id = ?`, paid); err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		if err := inspect(context.Background(), env.app.db, &out, inspectOptions{view: inspectWide}); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out.String(), "stock_items") {
+			t.Fatalf("inspect says:\n%s\nwant the stock", out.String())
+		}
+	})
+
 	// Ensure inspect says which order a failed event holds back, and how
 	// many of its events wait behind it: nothing but an operator releases
 	// them.

@@ -154,7 +154,7 @@ func Example_demo() {
 	// ok: 422 /problems/idempotency-key-expired; still 1 refund of 2000
 	// == Each effect below happened as often as it should ==
 	// == Each message delivered more than once was applied once ==
-	// ok: all 31 invariants hold
+	// ok: all 32 invariants hold
 }
 
 func TestCommands(t *testing.T) {

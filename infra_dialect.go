@@ -145,8 +145,6 @@ type dialect struct {
 	// (BYTEA) column. SQLite's json_extract reads text; PostgreSQL decodes
 	// the bytes and uses jsonb.
 	jsonField func(column, field string) string
-	// jsonArrayLength is the length of the JSON array in a TEXT column.
-	jsonArrayLength func(column string) string
 	// isInteger is a condition: an INTEGER column holds a whole number.
 	// SQLite stores whatever a statement computes, so a sum that overflows
 	// 64 bits silently becomes a REAL; a PostgreSQL BIGINT column raises an
@@ -176,8 +174,7 @@ func sqliteDialect() *dialect {
 		jsonField: func(column, field string) string {
 			return fmt.Sprintf(`json_extract(CAST(%s AS TEXT), '$.%s')`, column, field)
 		},
-		jsonArrayLength: func(column string) string { return fmt.Sprintf(`json_array_length(%s)`, column) },
-		isInteger:       func(column string) string { return fmt.Sprintf(`typeof(%s) = 'integer'`, column) },
+		isInteger: func(column string) string { return fmt.Sprintf(`typeof(%s) = 'integer'`, column) },
 	}
 }
 
@@ -227,8 +224,7 @@ func postgresDialect() *dialect {
 		jsonField: func(column, field string) string {
 			return fmt.Sprintf(`convert_from(%s, 'UTF8')::jsonb ->> '%s'`, column, field)
 		},
-		jsonArrayLength: func(column string) string { return fmt.Sprintf(`jsonb_array_length(%s::jsonb)`, column) },
-		isInteger:       func(string) string { return `TRUE` },
+		isInteger: func(string) string { return `TRUE` },
 	}
 }
 

@@ -506,6 +506,15 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:            "StepCompensatedTwice",
+			catcher:         "TestReserveStockUndoneTwicePutsBackOnce",
+			fault:           "review: markStepCompensated loses its status = 'done' condition, so an undo of a step already compensated counts again: a hold released twice",
+			simulatorMisses: "a second undo of a compensated step needs its worker to read the step as done after the first undo committed, under the lease it still holds: the engine reads the steps afresh or knows what it wrote, and a worker that lost the lease is stopped by advanceSaga's token",
+			edits: []mutationEdit{
+				{"saga.go", "WHERE saga_id = ? AND step_index = ? AND status = ?`,\n\t\tstepCompensated,", "WHERE saga_id = ? AND step_index = ? AND ? <> ''`,\n\t\tstepCompensated,"},
+			},
+		},
+		{
 			name:    "ReleaseTakesStockAgain",
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
 			fault:   "review: releaseStock takes the items off the shelf again instead of putting them back: no hold is ever released",

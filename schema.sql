@@ -531,7 +531,9 @@ END;
 -- stock_holds reads the holds as stock_reservations held them: one row per
 -- item of an order whose reserve_stock ran, reserved while the step is
 -- done, released once it is compensated. (Sold is still a reserved hold of
--- a completed saga, as since version 13.)
+-- a completed saga, as since version 13.) An order whose items cannot be
+-- read (a broken row) holds nothing here rather than failing every reader
+-- of the holds; check names it.
 CREATE VIEW stock_holds AS
 SELECT s.order_id AS order_id,
        json_extract(item.value, '$.sku') AS sku,
@@ -542,7 +544,7 @@ SELECT s.order_id AS order_id,
 FROM saga_steps st
 JOIN saga_instances s ON s.saga_id = st.saga_id
 JOIN orders o ON o.order_id = s.order_id,
-     json_each(o.items) AS item
+     json_each(CASE WHEN json_valid(o.items) THEN o.items ELSE '[]' END) AS item
 WHERE st.step_name = 'reserve_stock' AND st.status IN ('done', 'compensated');
 -- Every hold made before this version is one of the view's, with the same
 -- quantity and status: the step's record and the hold were always written
@@ -556,7 +558,9 @@ SELECT (SELECT COUNT(*) FROM (SELECT order_id, sku, qty, status FROM stock_reser
                               EXCEPT SELECT order_id, sku, qty, status FROM stock_reservations));
 DROP TABLE stock_holds_differ;
 -- A process built before this version, still running beside one that
--- migrated, inserts a hold into a table that is gone: its reserve_stock
+-- migrated, writes holds into a table that is gone: its reserve_stock
 -- fails and rolls back, and the saga waits for a process that reserves
--- the new way.
+-- the new way; its compensation fails the same way, and a saga whose
+-- compensation only such processes tried becomes compensation_failed, for
+-- an operator's saga resume, which releases the hold once.
 DROP TABLE stock_reservations;

@@ -442,18 +442,27 @@ ALTER TABLE stock_reservations ADD CONSTRAINT stock_reservations_status_check
 -- version 14
 
 -- A hold is the record of its saga's reserve_stock step: see version 14 of
--- schema.sql.
+-- schema.sql. order_items reads an order's items, or none if they are not a
+-- JSON array of objects (a broken row, which check names), so that one
+-- unreadable order does not fail every reader of the holds.
+CREATE FUNCTION order_items(items TEXT) RETURNS TABLE (sku TEXT, qty BIGINT)
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN QUERY SELECT e ->> 'sku', (e ->> 'qty')::bigint FROM jsonb_array_elements(items::jsonb) AS e;
+EXCEPTION WHEN OTHERS THEN
+    RETURN;
+END $$;
 CREATE VIEW stock_holds AS
 SELECT s.order_id AS order_id,
-       item ->> 'sku' AS sku,
-       (item ->> 'qty')::bigint AS qty,
+       item.sku AS sku,
+       item.qty AS qty,
        CASE st.status WHEN 'done' THEN 'reserved' ELSE 'released' END AS status,
        st.done_at AS created_at,
        COALESCE(st.compensated_at, st.done_at) AS updated_at
 FROM saga_steps st
 JOIN saga_instances s ON s.saga_id = st.saga_id
 JOIN orders o ON o.order_id = s.order_id
-CROSS JOIN LATERAL jsonb_array_elements(o.items::jsonb) AS item
+CROSS JOIN LATERAL order_items(o.items) AS item
 WHERE st.step_name = 'reserve_stock' AND st.status IN ('done', 'compensated');
 DO $$
 BEGIN
