@@ -27,13 +27,11 @@ const soldHold = `(r.status = 'reserved' AND EXISTS (SELECT 1 FROM saga_instance
 	WHERE sold_by.order_id = r.order_id AND sold_by.status = 'completed'))`
 
 // reservationStatus is stock_holds.status: reserved while the
-// reserve_stock step is done, released once it is compensated.
+// reserve_stock step is done, released once it is compensated (the view
+// writes both; no Go code writes a status since schema version 14).
 type reservationStatus string
 
-const (
-	stockReserved reservationStatus = "reserved"
-	stockReleased reservationStatus = "released"
-)
+const stockReserved reservationStatus = "reserved"
 
 // reserveStock takes every item of order off the shelf, in tx: the
 // transaction that records the reserve_stock step done, which is the hold.
