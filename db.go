@@ -38,6 +38,10 @@ func formatTime(t time.Time) string {
 	return t.UTC().Format(timeFormat)
 }
 
+// sqliteBusyTimeout is how long a SQLite connection waits for another's
+// lock before it fails with SQLITE_BUSY.
+const sqliteBusyTimeout = 10 * time.Second
+
 // sqlitePragmas are set on every connection through the DSN, so each pooled
 // connection gets them, not only the one that happened to run an Exec.
 var sqlitePragmas = []string{
@@ -46,7 +50,7 @@ var sqlitePragmas = []string{
 	"journal_mode(WAL)",
 	// Several goroutines and processes share the file: wait for the write
 	// lock instead of failing at once with SQLITE_BUSY.
-	"busy_timeout(10000)",
+	fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()),
 	// SQLite does not check foreign keys unless asked, per connection.
 	"foreign_keys(1)",
 }
@@ -203,7 +207,7 @@ func openSQLiteReaders(path string) (*sql.DB, error) {
 // the SQLite file at path.
 func sqliteReadersDSN(path string) string {
 	query := url.Values{}
-	query.Add("_pragma", "busy_timeout(10000)")
+	query.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()))
 	query.Add("_pragma", "query_only(1)")
 	return "file:" + path + "?" + query.Encode()
 }
@@ -232,7 +236,7 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 	}
 	query := url.Values{}
 	query.Set("mode", "ro")
-	query.Add("_pragma", "busy_timeout(10000)")
+	query.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()))
 	db, err := sql.Open("sqlite", "file:"+path+"?"+query.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)

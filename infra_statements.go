@@ -16,6 +16,8 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	mathrand "math/rand/v2"
+	"time"
 )
 
 // maxCachedStatements bounds the statements one connection keeps. The code
@@ -66,7 +68,7 @@ type sqliteDriver struct {
 
 // Connect opens a connection.
 func (c sqliteConnector) Connect(ctx context.Context) (driver.Conn, error) {
-	conn, err := c.Connector.Connect(ctx)
+	conn, err := connectWaiting(ctx, c.Connector)
 	if err != nil {
 		return nil, err
 	}
@@ -254,4 +256,28 @@ func (r *statementRows) Close() error {
 	s := r.statement
 	r.statement = nil
 	return errors.Join(err, s.release())
+}
+
+// connectWaiting opens a connection with connector, waiting out another
+// connection's lock as busy_timeout would. Opening a connection runs the
+// DSN's pragmas, and journal_mode(WAL) on a file that is not yet in WAL
+// mode (a new file, opened by several processes at once) needs the file to
+// itself: SQLite then fails at once with SQLITE_BUSY, without waiting
+// through busy_timeout. Once one connection has switched the file, the
+// pragma changes nothing and the others open.
+func connectWaiting(ctx context.Context, connector driver.Connector) (driver.Conn, error) {
+	deadline := time.Now().Add(sqliteBusyTimeout)
+	wait := time.Millisecond
+	for {
+		conn, err := connector.Connect(ctx)
+		if err == nil || !isBusy(err) || time.Now().Add(wait).After(deadline) {
+			return conn, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, errors.Join(err, ctx.Err())
+		case <-time.After(wait + mathrand.N(wait)):
+		}
+		wait = min(2*wait, 50*time.Millisecond)
+	}
 }

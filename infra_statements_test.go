@@ -3,9 +3,13 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"path/filepath"
+	"sync"
 	"testing"
+
+	"modernc.org/sqlite"
 )
 
 // mustOpenSQLite opens a new SQLite database; it is closed when the test
@@ -182,4 +186,44 @@ func TestSQLiteReaders(t *testing.T) {
 			t.Fatal("the readers still answer after the write pool closed")
 		}
 	})
+}
+
+// TestNewFileOpenedByManyAtOnce opens a new SQLite file from several
+// connections at once, as several processes starting together do. Each
+// switches the file to WAL mode as it opens, which SQLite refuses at once
+// with SQLITE_BUSY while another holds the file; sqliteConnector waits
+// that out.
+func TestNewFileOpenedByManyAtOnce(t *testing.T) {
+	const files, openers = 40, 8
+	for range files {
+		dsn, err := sqliteDSN(filepath.Join(t.TempDir(), "test.db"), durabilityNormal)
+		if err != nil {
+			t.Fatal(err)
+		}
+		driverConnector, err := sqlite.NewConnector(dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		connector := sqliteConnector{Connector: driverConnector}
+		var start, done sync.WaitGroup
+		start.Add(1)
+		errs := make([]error, openers)
+		for i := range openers {
+			done.Add(1)
+			go func() {
+				defer done.Done()
+				start.Wait()
+				conn, err := connector.Connect(context.Background())
+				if err == nil {
+					err = conn.Close()
+				}
+				errs[i] = err
+			}()
+		}
+		start.Done()
+		done.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatalf("%d connections opening a new file at once: %v", openers, err)
+		}
+	}
 }
