@@ -58,9 +58,16 @@ func TestCheck(t *testing.T) {
 			"an idempotency key maps to at most one order"},
 		{"LeakedStock", `UPDATE stock_items SET available = available - 1 WHERE sku = 'sku-1'`,
 			"stock is conserved"},
+		// What a hold released twice leaves: more on the shelf than was
+		// stocked (sku-2's declined order released its hold once).
+		{"StockReleasedTwice", `UPDATE stock_items SET available = available + 1 WHERE sku = 'sku-2'`,
+			"stock is conserved"},
 		// A hold is read from the order's items: one that cannot be read
 		// is named, and fails no other reader of the holds.
 		{"UnreadableItems", `UPDATE orders SET items = 'not json' WHERE order_id = :paid`,
+			"an order whose stock was reserved holds each of its items"},
+		// The same for a hold that was released: the declined order's.
+		{"UnreadableItemsOfAReleasedHold", `UPDATE orders SET items = 'not json' WHERE idempotency_key = 'k2'`,
 			"an order whose stock was reserved holds each of its items"},
 		{"LostEvent", `DELETE FROM outbox_events WHERE aggregate_id = :paid AND event_type = 'OrderCreated'`,
 			"every order has exactly one OrderCreated event"},

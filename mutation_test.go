@@ -515,6 +515,51 @@ func mutations() []mutation {
 			},
 		},
 		{
+			name:            "StockConservedOneWay",
+			catcher:         "TestCheck/ReportsStockReleasedTwice",
+			fault:           "review: check's \"stock is conserved\" reports stock that went missing but not stock that grew: a hold released twice puts more on the shelf than was stocked, unreported",
+			simulatorMisses: "a correct run never puts more on the shelf than was stocked, and the simulator judges the runs, not the checker: only a tampering with the stock shows the checker blind",
+			edits: []mutationEdit{
+				{"check.go", "HAVING s.available + COALESCE(SUM(r.qty), 0) <> s.stocked`", "HAVING s.available + COALESCE(SUM(r.qty), 0) < s.stocked`"},
+			},
+		},
+		{
+			name:            "HoldsCheckedOnlyWhileReserved",
+			catcher:         "TestCheck/ReportsUnreadableItemsOfAReleasedHold",
+			fault:           "review: check names an order whose items cannot be read only while its hold is reserved, not once released",
+			simulatorMisses: "the simulator never writes items that cannot be read: only a tampering makes them",
+			edits: []mutationEdit{
+				{"check.go", "WHERE st.step_name = 'reserve_stock' AND st.status IN ('done', 'compensated')\n\t\t\t  AND NOT EXISTS", "WHERE st.step_name = 'reserve_stock' AND st.status = 'done'\n\t\t\t  AND NOT EXISTS"},
+			},
+		},
+		{
+			name:            "RefundWithoutTheLease",
+			catcher:         "TestStaleWorkerAsksForNoRefund",
+			fault:           "review: a compensation asks the processor for its refund without renewing the lease first, so a worker that lost the saga still calls another system",
+			simulatorMisses: "the refund's key comes from the saga, so a stale worker's call refunds nothing twice and changes no outcome: it is one call more, which the simulator does not judge",
+			edits: []mutationEdit{
+				{"saga.go", "\t\tif err := a.inSagaTx(ctx, run, func(tx *sql.Tx, now time.Time) error {\n\t\t\treturn a.renewSagaLease(ctx, tx, run.lease, sagaCompensating, now)\n\t\t}); err != nil {\n\t\t\treturn err\n\t\t}\n", ""},
+			},
+		},
+		{
+			name:            "StepDoneOverwritten",
+			catcher:         "TestReserveStockDoneTwiceTakesOnce",
+			fault:           "review: markStepDone overwrites a step already recorded done instead of refusing it, so a step run twice under a lease that holds takes its effect twice",
+			simulatorMisses: "a second run of a done step needs the worker that holds the saga to run it again, and the engine reads the steps afresh; a stale worker's overwrite rolls back with advanceSaga",
+			edits: []mutationEdit{
+				{"saga.go", "VALUES (?, ?, ?, ?, 1, ?, ?)\n\t\tON CONFLICT (saga_id, step_index) DO NOTHING`", "VALUES (?, ?, ?, ?, 1, ?, ?)\n\t\tON CONFLICT (saga_id, step_index) DO UPDATE SET status = excluded.status, result = excluded.result, done_at = excluded.done_at`"},
+			},
+		},
+		{
+			name:            "SetAsideUnfenced",
+			catcher:         "TestStaleWorkerCannotSetASagaAside",
+			fault:           "review: setSagaAside loses its lease token, so a stale worker's unexpected failure sets aside a saga another worker holds",
+			simulatorMisses: "a stale worker must fail unexpectedly while another holds the saga; the live worker's step then rolls back and runs again a minute later: a delay, no outcome the simulator judges",
+			edits: []mutationEdit{
+				{"infra_saga.go", "\t\tWHERE saga_id = ? AND lease_token = ?`,\n\t\tcause.Error(), formatTime(now.Add(time.Minute))", "\t\tWHERE saga_id = ? AND ? >= 0`,\n\t\tcause.Error(), formatTime(now.Add(time.Minute))"},
+			},
+		},
+		{
 			name:    "ReleaseTakesStockAgain",
 			catcher: "TestSaga/DeclinedCardCompensatesOnlyStepsThatRan",
 			fault:   "review: releaseStock takes the items off the shelf again instead of putting them back: no hold is ever released",

@@ -994,33 +994,11 @@ func TestReserveStockUndoneTwicePutsBackOnce(t *testing.T) {
 	startSagas(t, env)
 	// Round by round, until the card is declined: the saga compensates,
 	// and its reserve_stock is done, not undone yet.
-	var runs []*sagaRun
-	var failures []error
-	compensating := func() bool {
-		return env.count(t, `SELECT COUNT(*) FROM saga_instances s
-			JOIN saga_steps st ON st.saga_id = s.saga_id AND st.step_name = 'reserve_stock'
-			WHERE s.order_id = ? AND s.status = 'compensating' AND st.status = 'done'`, orderID) == 1
-	}
-	for round := 0; !compensating(); round++ {
-		if round == 5 {
-			t.Fatalf("after %d rounds the saga is %s; want compensating", round, sagaSteps(t, env, orderID))
-		}
-		var err error
-		if runs, _, _, err = env.app.sagaRound(ctx, "worker-1", 10, runs, true, &failures); err != nil {
-			t.Fatal(err)
-		}
-	}
+	roundsUntil(t, env, orderID, "compensating", stepReserveStock)
 	if got := stockOf(t, env, "sku-1"); got != "998/2/0" {
 		t.Fatalf("sku-1 stock %s before the compensation, want 998/2/0", got)
 	}
-	order, err := readOrder(ctx, env.app.db, orderID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	run := &sagaRun{order: order}
-	run.lease.WorkerID = "worker-1"
-	run.lease.SagaID = env.str(t, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID)
-	run.lease.Token = int64(env.count(t, `SELECT lease_token FROM saga_instances WHERE saga_id = ?`, run.lease.SagaID))
+	run := currentRun(t, env, orderID)
 	step := sagaStepRow{Index: 0, Name: stepReserveStock, Status: stepDone}
 	if err := env.app.undoStep(ctx, run, step); err != nil {
 		t.Fatalf("first undo: %v", err)
@@ -1036,4 +1014,132 @@ func TestReserveStockUndoneTwicePutsBackOnce(t *testing.T) {
 		t.Fatalf("order is %s, want cancelled", got)
 	}
 	mustAudit(t, env, true)
+}
+
+// roundsUntil runs the saga engine's rounds, one at a time, until the saga
+// of orderID has status and its step doneStep is done.
+func roundsUntil(tb testing.TB, env *testEnv, orderID string, status sagaStatus, doneStep string) {
+	tb.Helper()
+	var runs []*sagaRun
+	var failures []error
+	reached := func() bool {
+		return env.count(tb, `SELECT COUNT(*) FROM saga_instances s
+			JOIN saga_steps st ON st.saga_id = s.saga_id AND st.step_name = ?
+			WHERE s.order_id = ? AND s.status = ? AND st.status = 'done'`, doneStep, orderID, status) == 1
+	}
+	for round := 0; !reached(); round++ {
+		if round == 5 {
+			tb.Fatalf("after %d rounds the saga is %s; want %s with %s done", round, sagaSteps(tb, env, orderID), status, doneStep)
+		}
+		var err error
+		if runs, _, _, err = env.app.sagaRound(context.Background(), "worker-1", 10, runs, true, &failures); err != nil {
+			tb.Fatal(err)
+		}
+	}
+}
+
+// currentRun returns the saga of orderID as a worker holding it now would
+// have it: its order, and its lease's current token.
+func currentRun(tb testing.TB, env *testEnv, orderID string) *sagaRun {
+	tb.Helper()
+	order, err := readOrder(context.Background(), env.app.db, orderID)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	run := &sagaRun{order: order}
+	run.lease.WorkerID = "worker-1"
+	run.lease.SagaID = env.str(tb, `SELECT saga_id FROM saga_instances WHERE order_id = ?`, orderID)
+	run.lease.Token = int64(env.count(tb, `SELECT lease_token FROM saga_instances WHERE saga_id = ?`, run.lease.SagaID))
+	run.saga.SagaID, run.saga.OrderID = run.lease.SagaID, orderID
+	return run
+}
+
+// Ensure a step already recorded done is not done again, even by the
+// worker that holds the saga: its record refuses a second one
+// (errStepNotPending), and the step's effect rolls back with it. A record
+// that overwrote the first would take the stock twice under a token that
+// still holds.
+func TestReserveStockDoneTwiceTakesOnce(t *testing.T) {
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 2, pmCardVisa)).Body, "order_id")
+	startSagas(t, env)
+	roundsUntil(t, env, orderID, sagaInProgress, stepReserveStock)
+	if got := stockOf(t, env, "sku-1"); got != "998/2/0" {
+		t.Fatalf("sku-1 stock %s after the reservation, want 998/2/0", got)
+	}
+	run := currentRun(t, env, orderID)
+	run.step = sagaStepRow{Index: 0, Name: stepReserveStock, Status: stepPending}
+	err := withFencedTx(ctx, env.app.db, func(tx *sql.Tx) error {
+		return env.app.reserveStockStep(ctx, tx, run, env.clock.now())
+	})
+	if !errors.Is(err, errStepNotPending) {
+		t.Fatalf("reserve_stock again: %v, want errStepNotPending", err)
+	}
+	if got := stockOf(t, env, "sku-1"); got != "998/2/0" {
+		t.Fatalf("sku-1 stock %s after a second reservation, want 998/2/0", got)
+	}
+	env.drain(t)
+	if got := env.str(t, `SELECT status FROM orders WHERE order_id = ?`, orderID); got != string(orderPaid) {
+		t.Fatalf("order is %s, want paid", got)
+	}
+	mustAudit(t, env, true)
+}
+
+// Ensure a worker whose claim another worker's write has moved on asks
+// the processor for no refund: it renews its lease first, as before any
+// call to another system, finds the saga gone (errSagaLeaseLost) and
+// stops. The refund is owed all the same; the saga's holder asks for it.
+func TestStaleWorkerAsksForNoRefund(t *testing.T) {
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	failConfirm(env, nil)
+	orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+	startSagas(t, env)
+	roundsUntil(t, env, orderID, sagaCompensating, stepChargeCard)
+	stale := currentRun(t, env, orderID)
+	stale.lease.Token--
+	charge := sagaStepRow{Index: 1, Name: stepChargeCard, Status: stepDone}
+	charge.Result.String, charge.Result.Valid = env.str(t, `SELECT result FROM saga_steps WHERE saga_id = ? AND step_name = ?`, stale.lease.SagaID, stepChargeCard), true
+	if err := env.app.undoStep(ctx, stale, charge); !errors.Is(err, errSagaLeaseLost) {
+		t.Fatalf("a stale worker's refund: %v, want errSagaLeaseLost", err)
+	}
+	if got := env.count(t, `SELECT COUNT(*) FROM processor_refunds`); got != 0 {
+		t.Fatalf("the processor was asked for %d refunds by a worker that lost the saga, want none", got)
+	}
+	env.drain(t)
+	if got := sagaSteps(t, env, orderID); got != "compensated: reserve_stock=compensated charge_card=compensated confirm=failed" {
+		t.Fatalf("saga: %s", got)
+	}
+	if got := env.str(t, `SELECT COUNT(*) || ':' || SUM(key_hits) FROM processor_refunds`); got != "1:0" {
+		t.Fatalf("refunds:key hits = %s, want 1:0", got)
+	}
+	mustAudit(t, env, true)
+}
+
+// Ensure a worker whose claim another worker's write has moved on cannot
+// set the saga aside: its failure is not the saga's, and the saga keeps
+// its attempts, its next attempt, its error and its token.
+func TestStaleWorkerCannotSetASagaAside(t *testing.T) {
+	ctx := context.Background()
+	env := MustOpenApp(t)
+	orderID := orderField(mustCreateOrder(t, env, "user-42", "k1", orderBody(5000, "sku-1", 1, pmCardVisa)).Body, "order_id")
+	startSagas(t, env)
+	roundsUntil(t, env, orderID, sagaInProgress, stepReserveStock)
+	stale := currentRun(t, env, orderID)
+	stale.lease.Token--
+	row := func() string {
+		return env.str(t, `SELECT attempts || '|' || COALESCE(last_error, '') || '|' || next_attempt_at || '|' || lease_token || '|' || COALESCE(locked_by, '')
+			FROM saga_instances WHERE saga_id = ?`, stale.lease.SagaID)
+	}
+	before := row()
+	err := withFencedTx(ctx, env.app.db, func(tx *sql.Tx) error {
+		return env.app.setSagaAside(ctx, tx, stale.lease, errors.New("a stale worker's failure"))
+	})
+	if !errors.Is(err, errSagaLeaseLost) {
+		t.Fatalf("a stale worker set the saga aside: %v, want errSagaLeaseLost", err)
+	}
+	if after := row(); after != before {
+		t.Fatalf("saga %s, was %s: a stale worker changed it", after, before)
+	}
 }
