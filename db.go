@@ -39,8 +39,10 @@ func formatTime(t time.Time) string {
 }
 
 // sqliteBusyTimeout is how long a SQLite connection waits for another's
-// lock before it fails with SQLITE_BUSY.
+// lock before it fails with SQLITE_BUSY; busyTimeoutPragma sets it.
 const sqliteBusyTimeout = 10 * time.Second
+
+var busyTimeoutPragma = fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds())
 
 // sqlitePragmas are set on every connection through the DSN, so each pooled
 // connection gets them, not only the one that happened to run an Exec.
@@ -50,7 +52,7 @@ var sqlitePragmas = []string{
 	"journal_mode(WAL)",
 	// Several goroutines and processes share the file: wait for the write
 	// lock instead of failing at once with SQLITE_BUSY.
-	fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()),
+	busyTimeoutPragma,
 	// SQLite does not check foreign keys unless asked, per connection.
 	"foreign_keys(1)",
 }
@@ -207,7 +209,7 @@ func openSQLiteReaders(path string) (*sql.DB, error) {
 // the SQLite file at path.
 func sqliteReadersDSN(path string) string {
 	query := url.Values{}
-	query.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()))
+	query.Add("_pragma", busyTimeoutPragma)
 	query.Add("_pragma", "query_only(1)")
 	return "file:" + path + "?" + query.Encode()
 }
@@ -236,7 +238,7 @@ func openReadOnlyDB(ctx context.Context, path string) (*sql.DB, error) {
 	}
 	query := url.Values{}
 	query.Set("mode", "ro")
-	query.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", sqliteBusyTimeout.Milliseconds()))
+	query.Add("_pragma", busyTimeoutPragma)
 	db, err := sql.Open("sqlite", "file:"+path+"?"+query.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)

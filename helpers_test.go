@@ -492,3 +492,23 @@ func waitOnLock(tb testing.TB, env *testEnv, statement string, done <-chan error
 		waiting = env.count(tb, `SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE ?`, "%"+statement+"%")
 	}
 }
+
+// atOnce runs fn(0) to fn(n-1), each in a goroutine of its own, released
+// together as processes started at the same moment would be, and returns
+// their errors by index.
+func atOnce(n int, fn func(i int) error) []error {
+	var start, done sync.WaitGroup
+	start.Add(1)
+	errs := make([]error, n)
+	for i := range n {
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			start.Wait()
+			errs[i] = fn(i)
+		}()
+	}
+	start.Done()
+	done.Wait()
+	return errs
+}

@@ -406,23 +406,13 @@ func TestMigrateConcurrently(t *testing.T) {
 			t.Run(fmt.Sprintf("%dProcessesFromVersion%d", processes, from), func(t *testing.T) {
 				target := testDatabase(t)
 				migrateTo(t, target, from)
-				var start, done sync.WaitGroup
-				start.Add(1)
-				errs := make([]error, processes)
-				for i := range processes {
-					done.Add(1)
-					go func() {
-						defer done.Done()
-						start.Wait()
-						db, err := openDB(ctx, target)
-						if err == nil {
-							err = db.Close()
-						}
-						errs[i] = err
-					}()
-				}
-				start.Done()
-				done.Wait()
+				errs := atOnce(processes, func(int) error {
+					db, err := openDB(ctx, target)
+					if err != nil {
+						return err
+					}
+					return db.Close()
+				})
 				for i, err := range errs {
 					if err != nil {
 						t.Fatalf("process %d of %d: %v", i+1, processes, err)

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"sync"
 	"testing"
 
 	"modernc.org/sqlite"
@@ -205,23 +204,13 @@ func TestNewFileOpenedByManyAtOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 		connector := sqliteConnector{Connector: driverConnector}
-		var start, done sync.WaitGroup
-		start.Add(1)
-		errs := make([]error, openers)
-		for i := range openers {
-			done.Add(1)
-			go func() {
-				defer done.Done()
-				start.Wait()
-				conn, err := connector.Connect(context.Background())
-				if err == nil {
-					err = conn.Close()
-				}
-				errs[i] = err
-			}()
-		}
-		start.Done()
-		done.Wait()
+		errs := atOnce(openers, func(int) error {
+			conn, err := connector.Connect(context.Background())
+			if err != nil {
+				return err
+			}
+			return conn.Close()
+		})
 		if err := errors.Join(errs...); err != nil {
 			t.Fatalf("%d connections opening a new file at once: %v", openers, err)
 		}
